@@ -1,0 +1,1 @@
+"""Tooling of the vllm-ascend fork: `python -m tools.fork VERB` (see `--help`)."""

@@ -1,0 +1,5 @@
+import sys
+
+from tools.fork.cli import main
+
+sys.exit(main())

@@ -1,0 +1,49 @@
+"""Materialize the fork: the base release as a git repository, then the series with `git am`.
+
+The base is one commit "upstream <version>", tagged v<version>; each patch is one
+commit on branch `fork`. Running it again changes nothing when nothing changed;
+it refuses to discard edits made in the tree (export them first, or --force).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools.fork import series, upstream
+from tools.fork.materialize import materialize
+
+HELP = __doc__
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--base", metavar="VERSION", help="a base listed in fork.toml (default: the pin)")
+    p.add_argument("--into", metavar="DIR", type=Path, help="where to materialize (default: build/fork[-VERSION])")
+    p.add_argument("--base-only", action="store_true", help="materialize the unpatched base (default DIR build/base-VERSION)")
+    add_source_arguments(p)
+    p.add_argument("--force", action="store_true", help="discard local edits in DIR")
+
+
+def add_source_arguments(p) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--sdist", type=Path, metavar="PATH", help="use this local sdist (sha256-checked) instead of the registry")
+    src.add_argument("--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist")
+
+
+def run(args, cfg) -> int:
+    base = cfg.base(args.base)
+    if args.base_only:
+        patches = []
+        tree = args.into or cfg.default_base_dir(base.version)
+    else:
+        patches = series.read(cfg, base.version)
+        tree = args.into or cfg.default_fork_dir(base.version)
+    sources = []
+
+    def source():
+        sources.append(upstream.resolve(cfg, base.version, sdist=args.sdist, checkout=args.checkout))
+        return sources[-1]
+
+    outcome = materialize(tree.resolve(), source, base.version, patches, force=args.force)
+    verified = f" ({sources[0].verified})" if sources else ""
+    print(f"fork apply: {tree}: vllm-ascend {base.version}{verified} + {len(patches)} patch(es): {outcome}")
+    return 0

@@ -1,0 +1,48 @@
+"""Errors and exit codes of the fork tooling.
+
+Every verb exits with one of these codes; `--help` and CONTRIBUTING.md list them.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a check or a test run found problems
+EXIT_BAD_INPUT = 2  # bad arguments, unknown version, missing or malformed file
+EXIT_CONFLICT = 3  # a rebase stopped at a conflict; resolve, then --continue or --abort
+EXIT_IN_PROGRESS = 4  # a rebase is already in progress; --continue or --abort it first
+EXIT_UPSTREAM = 5  # the base could not be obtained or verified (registry, hash)
+EXIT_LOCAL_EDITS = 6  # the operation would overwrite local edits
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0  done
+  1  a check or test run found problems (each is listed)
+  2  bad input: arguments, unknown version, missing or malformed file
+  3  rebase stopped at a conflict: resolve it, then `rebase --continue` or `--abort`
+  4  a rebase is already in progress: `rebase --continue` or `rebase --abort` first
+  5  the upstream base could not be obtained or verified (registry, sha256)
+  6  refused: the operation would overwrite local edits
+"""
+
+
+class ForkError(Exception):
+    """An error the CLI reports as one clear message and an exit code."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class BadInput(ForkError):
+    exit_code = EXIT_BAD_INPUT
+
+
+class UpstreamUnavailable(ForkError):
+    exit_code = EXIT_UPSTREAM
+
+
+class LocalEdits(ForkError):
+    exit_code = EXIT_LOCAL_EDITS

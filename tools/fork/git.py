@@ -52,6 +52,10 @@ def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         GIT_COMMITTER_NAME=COMMITTER_NAME,
         GIT_COMMITTER_EMAIL=COMMITTER_EMAIL,
         GIT_COMMITTER_DATE=FIXED_DATE,
+        # Only commits the tooling makes itself (fixups, the base) use these; `git am`
+        # takes the author from the patch.
+        GIT_AUTHOR_NAME=COMMITTER_NAME,
+        GIT_AUTHOR_EMAIL=COMMITTER_EMAIL,
         GIT_TERMINAL_PROMPT="0",
         LC_ALL="C",
     )

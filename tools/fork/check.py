@@ -1,0 +1,179 @@
+"""Check the series: it applies to the pin with no fuzz or offset, the overlay matches it,
+re-exporting reproduces `patches/` byte for byte, and every patch follows upstream's
+conventions (`[Module][Action] Title`, the three PR body sections, `Signed-off-by:`).
+
+Each problem is printed with the patch and file it concerns; the exit code is 1 if any.
+`--all-bases` repeats the apply and overlay checks on every base in fork.toml.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tools.fork import overlay, series, upstream
+from tools.fork.config import ForkConfig
+from tools.fork.errors import EXIT_FAILED, EXIT_OK
+from tools.fork.export import render
+from tools.fork.materialize import ApplyFailed, materialize
+from tools.fork.series import BODY_SECTIONS, SUBJECT_RE, Patch
+
+HELP = __doc__
+
+_HUNK_RE = re.compile(rb"^diff --git a/(\S+) |^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@", re.M)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--all-bases", action="store_true", help="also apply the series to every base in fork.toml")
+    from tools.fork.apply import add_source_arguments
+
+    add_source_arguments(p)
+
+
+def convention_problems(patch: Patch) -> list[str]:
+    info = patch.info
+    where = f"patch {patch.name}"
+    problems = []
+    if not SUBJECT_RE.match(info.subject):
+        problems.append(f"{where}: subject {info.subject!r} is not `[Module][Action] Title` (e.g. `[Ops][BugFix] ...`)")
+    position = -1
+    for section in BODY_SECTIONS:
+        found = info.message.find(section)
+        if found < 0:
+            problems.append(f"{where}: body lacks the PR section {section!r}")
+        elif found < position:
+            problems.append(f"{where}: body section {section!r} is out of order")
+        else:
+            position = found
+    sob = info.signoffs
+    author = f"{info.author} <{info.email}>"
+    if not sob:
+        problems.append(f"{where}: no `Signed-off-by:` line (DCO); commit with `git commit -s`")
+    elif author not in sob:
+        problems.append(f"{where}: no `Signed-off-by: {author}` from the author (found: {', '.join(sob)})")
+    return problems
+
+
+def _hunk_positions(data: bytes) -> list[tuple[str, int, int]]:
+    out, current = [], ""
+    for m in _HUNK_RE.finditer(data):
+        if m.group(1):
+            current = m.group(1).decode()
+        else:
+            out.append((current, int(m.group(2)), int(m.group(3))))
+    return out
+
+
+def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) -> list[str]:
+    """Compare re-exported patches with the files: names a hunk that moved, or the first differing line."""
+    problems = []
+    got = dict(rendered)
+    if [p.name for p in patches] != [name for name, _ in rendered]:
+        problems.append(
+            "re-export gives different patch names: "
+            f"{[name for name, _ in rendered]} vs patches/series {[p.name for p in patches]}; run export"
+        )
+    for p in patches:
+        new = got.get(p.name)
+        if new is None or new == p.data:
+            continue
+        old_hunks, new_hunks = _hunk_positions(p.data), _hunk_positions(new)
+        moved = [
+            f"{f}: hunk @@ -{o},+{n} now applies at -{o2} (offset {o2 - o:+d} lines)"
+            for (f, o, n), (_, o2, _) in zip(old_hunks, new_hunks)
+            if o != o2
+        ]
+        if moved:
+            problems += [f"patch {p.name}: applies with an offset, not exactly: {m}" for m in moved]
+            continue
+        old_lines, new_lines = p.data.splitlines(), new.splitlines()
+        line = next((i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b), min(len(old_lines), len(new_lines)))
+        problems.append(
+            f"patch {p.name}: re-export differs at line {line + 1} "
+            f"(file: {old_lines[line][:80] if line < len(old_lines) else b'<end>'!r}, "
+            f"export: {new_lines[line][:80] if line < len(new_lines) else b'<end>'!r}); run export"
+        )
+    return problems
+
+
+def overlay_problems(cfg: ForkConfig, tree: Path, version: str, patches: list[Patch]) -> list[str]:
+    own = overlay.ownership(tree, version)
+    name_of = {i: patches[i].name if i < len(patches) else own.commits[i][:12] for i in range(len(own.commits))}
+    problems = []
+    for path, creators in sorted(own.created.items()):
+        if not overlay.in_overlay(path):
+            continue
+        touching = sorted(set(creators + own.modified.get(path, []) + own.deleted.get(path, [])))
+        if len(touching) > 1:
+            names = ", ".join(name_of[i] for i in touching)
+            problems.append(f"{path}: created by {name_of[creators[0]]} but touched by several patches ({names})")
+    added = own.added_in_overlay()
+    present = overlay.repo_files(cfg)
+    for path in sorted(added - present):
+        problems.append(f"{path}: added by patch {name_of[own.created[path][0]]} but missing from the overlay; run export")
+    for path in sorted(present - added):
+        problems.append(f"{path}: in the overlay but no patch adds it (upstream has it, or it was never exported)")
+    for path in sorted(added & present):
+        if (cfg.root / path).read_bytes() != overlay.blob(tree, "HEAD", path):
+            problems.append(f"{path}: overlay differs from patch {name_of[own.created[path][0]]}; run export")
+    return problems
+
+
+def series_file_problems(cfg: ForkConfig) -> list[str]:
+    problems = []
+    names = series.read_names(cfg)
+    on_disk = {p.name for p in cfg.patches_dir.glob("*.patch")}
+    for name in sorted(on_disk - set(names)):
+        problems.append(f"patches/{name} is not listed in patches/series")
+    for name in cfg.fork_only:
+        if name not in names:
+            problems.append(f"fork.toml marks {name} fork-only, but patches/series does not list it")
+    variants_root = cfg.patches_dir / "bases"
+    if variants_root.is_dir():
+        known = {b.version for b in cfg.bases}
+        for d in sorted(variants_root.iterdir()):
+            if d.name not in known:
+                problems.append(f"patches/bases/{d.name}: not a base in fork.toml")
+            for f in sorted(d.glob("*.patch")):
+                if f.name not in names:
+                    problems.append(f"patches/bases/{d.name}/{f.name}: variant of a patch not in patches/series")
+    return problems
+
+
+def check_base(cfg: ForkConfig, version: str, args) -> list[str]:
+    try:
+        patches = series.read(cfg, version)
+    except Exception as exc:  # noqa: BLE001 - reported as a problem
+        return [str(exc)]
+    problems = [msg for p in patches for msg in convention_problems(p)]
+    tree = cfg.build_dir / "check" / version
+    try:
+        materialize(
+            tree.resolve(),
+            lambda: upstream.resolve(cfg, version, sdist=getattr(args, "sdist", None), checkout=getattr(args, "checkout", None)),
+            version,
+            patches,
+            force=True,
+        )
+    except ApplyFailed as exc:
+        return problems + [str(exc)]
+    if version == cfg.pin.version:
+        # Only the pin must reproduce byte for byte; other bases may apply at an offset.
+        problems += reproduce_problems(patches, render(tree, version))
+    problems += overlay_problems(cfg, tree, version, patches)
+    return problems
+
+
+def run(args, cfg) -> int:
+    problems = series_file_problems(cfg)
+    versions = [b.version for b in cfg.bases] if args.all_bases else [cfg.pin.version]
+    for version in versions:
+        found = check_base(cfg, version, args)
+        label = "pin" if version == cfg.pin.version else "base"
+        n = len(series.read_names(cfg))
+        status = "ok" if not found else f"{len(found)} problem(s)"
+        print(f"fork check: {label} vllm-ascend {version}: {n} patch(es): {status}")
+        problems += [f"[{version}] {msg}" for msg in found]
+    for msg in problems:
+        print(f"  - {msg}")
+    return EXIT_FAILED if problems else EXIT_OK

@@ -1,0 +1,203 @@
+"""Write `patches/`, `patches/series` and the overlay from a materialized tree.
+
+Edit the fork in either place, then export:
+  - hunks in upstream files: commit in the materialized tree (`git commit --fixup=<patch>`,
+    `git rebase -i --autosquash v<base>`), or add a new commit for a new patch;
+  - files the fork adds: edit the overlay copy in this repository (vllm_ascend/..., tests/...)
+    or edit them in the tree and commit.
+Overlay edits are folded into the commit that creates the file before exporting. The output is
+deterministic: exporting an unchanged series reproduces `patches/` byte for byte.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from tools.fork import git, overlay, series
+from tools.fork.config import ForkConfig
+from tools.fork.errors import BadInput, LocalEdits
+from tools.fork.materialize import State, base_tag, require_tree
+from tools.fork.txn import StagedWrite
+
+HELP = __doc__
+
+FORMAT_PATCH = [
+    "format-patch",
+    "--keep-subject",  # the subject is the PR title `[Module][Action] Title`; apply with `git am --keep-non-patch`
+    "--zero-commit",  # no commit hashes: they change whenever anything below changes
+    "--no-signature",  # no git version line
+    "--full-index",  # full blob ids: `git am -3` can always find the preimage
+    "--no-renames",
+    "--stat=80,60",
+    "--encoding=UTF-8",
+]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--from", dest="tree", type=Path, metavar="DIR", help="materialized tree (default: build/fork)")
+    p.add_argument("--upstream", type=Path, metavar="DIR", help="write only the upstreamable patches, as a series, to DIR")
+
+
+def render(tree: Path, version: str) -> list[tuple[str, bytes]]:
+    """The series of a materialized tree as format-patch files: [(name, content)]."""
+    with tempfile.TemporaryDirectory() as tmp:
+        names = git.out([*FORMAT_PATCH, "-o", tmp, f"{base_tag(version)}..HEAD"], tree).splitlines()
+        return [(Path(n).name, Path(n).read_bytes()) for n in names]
+
+
+def _require_exportable(tree: Path) -> None:
+    if git.am_in_progress(tree):
+        raise LocalEdits(f"{tree}: a `git am` session is in progress; finish or abort it first")
+    if (tree / ".git" / "rebase-merge").exists():
+        raise LocalEdits(f"{tree}: a `git rebase` is in progress; finish or abort it first")
+    dirty = git.dirty_paths(tree)
+    if dirty:
+        raise LocalEdits(
+            f"{tree} has uncommitted changes ({', '.join(dirty[:5])}); commit them into the patch "
+            "they belong to (`git commit --fixup=<commit>`), or stash them, then export"
+        )
+
+
+def fold_overlay_edits(cfg: ForkConfig, tree: Path, version: str) -> list[str]:
+    """Move edits made to overlay files in the repository into the commit that creates each file."""
+    state = State.load(tree)
+    own = overlay.ownership(tree, version)
+    fixups: dict[int, list[str]] = {}
+    for path in sorted(overlay.repo_files(cfg)):
+        creators = own.created.get(path, [])
+        repo_bytes = (cfg.root / path).read_bytes()
+        last = overlay.blob(tree, state.head, path) if state else None
+        if not creators:
+            if last is not None and last == repo_bytes:
+                continue  # the patch that created it was dropped: the export removes it
+            raise BadInput(
+                f"{path} is in the overlay but no patch creates it. Add the file to the patch it "
+                f"belongs to in {tree} (copy it there, `git add`, `git commit --fixup=<commit>`), then export."
+            )
+        tree_bytes = overlay.blob(tree, "HEAD", path)
+        if repo_bytes == tree_bytes:
+            continue
+        if tree_bytes == last:
+            fixups.setdefault(creators[-1], []).append(path)
+        elif repo_bytes != last:
+            raise LocalEdits(
+                f"{path} was edited both in the overlay and in {tree}; keep one version "
+                "(copy it to the other place), then export"
+            )
+    if not fixups:
+        return []
+    orig_head = git.out(["rev-parse", "HEAD"], tree)
+    try:
+        for index, paths in sorted(fixups.items()):
+            for path in paths:
+                (tree / path).write_bytes((cfg.root / path).read_bytes())
+            git.run(["add", "--", *paths], tree)
+            git.run(["commit", "-q", "--no-verify", f"--fixup={own.commits[index]}"], tree)
+        git.run(["rebase", "-q", "-i", "--autosquash", base_tag(version)], tree, env={"GIT_SEQUENCE_EDITOR": "true"})
+    except BaseException:
+        git.run(["rebase", "--abort"], tree, check=False)
+        git.run(["reset", "-q", "--hard", orig_head], tree, check=False)
+        raise
+    return [p for paths in fixups.values() for p in paths]
+
+
+def stage_series(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]], patches_dir: Path) -> None:
+    """Stage patches/*.patch and patches/series for `rendered` (old patch files removed)."""
+    names = [name for name, _ in rendered]
+    for name, data in rendered:
+        staged.write(patches_dir / name, data)
+    for old in patches_dir.glob("*.patch"):
+        if old.name not in names:
+            staged.delete(old)
+    staged.write(patches_dir / "series", series.series_text(names).encode())
+
+
+def stage_overlay(cfg: ForkConfig, staged: StagedWrite, tree: Path, version: str) -> None:
+    own = overlay.ownership(tree, version)
+    added = own.added_in_overlay()
+    for path in added:
+        staged.write(cfg.root / path, overlay.blob(tree, "HEAD", path) or b"")
+    for path in overlay.repo_files(cfg) - added:
+        staged.delete(cfg.root / path)
+
+
+def stage_fork_toml_renames(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]]) -> None:
+    """Keep `[patches."NAME"]` entries of fork.toml attached to their patch when names change."""
+    text = cfg.toml_path.read_text()
+    new_by_subject = {series.mailinfo(data).subject: name for name, data in rendered}
+    new_text = text
+    for old in cfg.fork_only:
+        old_path = cfg.patches_dir / old
+        if not old_path.exists():
+            continue
+        new = new_by_subject.get(series.mailinfo(old_path.read_bytes()).subject)
+        if new and new != old:
+            new_text = new_text.replace(f'"{old}"', f'"{new}"')
+    if new_text != text:
+        staged.write(cfg.toml_path, new_text.encode())
+
+
+def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[Path]]:
+    """Export a materialized tree of the pin. Returns (overlay files folded, files changed)."""
+    version = require_tree(tree)
+    if version != cfg.pin.version:
+        raise BadInput(
+            f"{tree} is materialized on {version}; `export` writes the pin's series ({cfg.pin.version}). "
+            f"Use `rebase --onto {version}` to move the series to another base."
+        )
+    _require_exportable(tree)
+    folded = fold_overlay_edits(cfg, tree, version)
+    rendered = render(tree, version)
+    staged = StagedWrite()
+    stage_series(cfg, staged, rendered, cfg.patches_dir)
+    stage_fork_toml_renames(cfg, staged, rendered)
+    stage_overlay(cfg, staged, tree, version)
+    changed = staged.commit()
+    patches = [series.Patch(name, cfg.patches_dir / name) for name, _ in rendered]
+    State(
+        version,
+        git.out(["rev-parse", base_tag(version)], tree),
+        [(p.name, p.sha256) for p in patches],
+        git.out(["rev-parse", "HEAD"], tree),
+    ).save(tree)
+    return folded, changed
+
+
+def export_upstream(cfg: ForkConfig, dest: Path) -> list[str]:
+    """Copy the upstreamable patches (not fork-only) to `dest` as a clean `git am` series."""
+    from tools.fork import check
+
+    patches = [p for p in series.read(cfg) if p.name not in cfg.fork_only]
+    problems = [msg for p in patches for msg in check.convention_problems(p)]
+    if problems:
+        raise BadInput("not exporting for upstream; fix first:\n  - " + "\n  - ".join(problems))
+    if dest.exists() and any(dest.iterdir()):
+        raise LocalEdits(f"{dest} exists and is not empty")
+    staged = StagedWrite()
+    renumbered = []
+    for i, p in enumerate(patches, 1):
+        name = f"{i:04d}-{p.name.split('-', 1)[1]}"
+        staged.write(dest / name, p.data)
+        renumbered.append(name)
+    staged.write(dest / "series", series.series_text(renumbered).encode())
+    staged.commit()
+    return renumbered
+
+
+def run(args, cfg) -> int:
+    if args.upstream:
+        names = export_upstream(cfg, args.upstream)
+        left_out = ", ".join(sorted(cfg.fork_only)) or "none"
+        print(f"fork export: {len(names)} upstreamable patch(es) -> {args.upstream} (fork-only, left out: {left_out})")
+        print(f"apply on an upstream checkout with: git am --keep-non-patch {args.upstream}/*.patch")
+        return 0
+    tree = (args.tree or cfg.default_fork_dir()).resolve()
+    folded, changed = export(cfg, tree)
+    for path in folded:
+        print(f"fork export: folded overlay edit {path} into its patch")
+    if not changed:
+        print("fork export: patches/ and the overlay are up to date (nothing changed)")
+    for path in changed:
+        print(f"fork export: wrote {path.relative_to(cfg.root)}")
+    return 0

@@ -3,12 +3,17 @@ re-exporting reproduces `patches/` byte for byte, and every patch follows upstre
 conventions (`[Module][Action] Title`, the three PR body sections, `Signed-off-by:`).
 
 Each problem is printed with the patch and file it concerns; the exit code is 1 if any.
-`--all-bases` repeats the apply and overlay checks on every base in fork.toml.
+`--all-bases` repeats the apply and overlay checks on every base in fork.toml (the support
+matrix), each with its per-base variants (patches/bases/<version>/); `--test` also runs the
+fork's tests (`python -m tools.fork test --base VERSION`) on each base checked.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from tools.fork import overlay, series, upstream
@@ -25,6 +30,7 @@ _HUNK_RE = re.compile(rb"^diff --git a/(\S+) |^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+
 
 def add_arguments(p) -> None:
     p.add_argument("--all-bases", action="store_true", help="also apply the series to every base in fork.toml")
+    p.add_argument("--test", action="store_true", help="also run the fork's tests on every base checked")
     from tools.fork.apply import add_source_arguments
 
     add_source_arguments(p)
@@ -97,6 +103,9 @@ def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) 
 
 
 def overlay_problems(cfg: ForkConfig, tree: Path, version: str, patches: list[Patch]) -> list[str]:
+    """Files the fork adds: one owner each, and the same bytes on every base as in the overlay (the
+    pin's copy). On another base, files of patches the pin does not apply (variant-only) and overlay
+    files of pin patches that base skips (already upstream there) are not expected."""
     own = overlay.ownership(tree, version)
     name_of = {i: patches[i].name if i < len(patches) else own.commits[i][:12] for i in range(len(own.commits))}
     problems = []
@@ -109,6 +118,11 @@ def overlay_problems(cfg: ForkConfig, tree: Path, version: str, patches: list[Pa
             problems.append(f"{path}: created by {name_of[creators[0]]} but touched by several patches ({names})")
     added = own.added_in_overlay()
     present = overlay.repo_files(cfg)
+    if version != cfg.pin.version:
+        applied_here = {p.name for p in patches}
+        creator = {path: p.name for p in series.read(cfg) for path in series.created_files(p.data)}
+        added = {path for path in added if path in creator or path in present}
+        present = {path for path in present if creator.get(path) in applied_here}
     for path in sorted(added - present):
         problems.append(f"{path}: added by patch {name_of[own.created[path][0]]} but missing from the overlay; run export")
     for path in sorted(present - added):
@@ -138,6 +152,16 @@ def series_file_problems(cfg: ForkConfig) -> list[str]:
                 if f.name not in names:
                     problems.append(f"patches/bases/{d.name}/{f.name}: variant of a patch not in patches/series")
     return problems
+
+
+def run_fork_tests(cfg: ForkConfig, version: str) -> int | None:
+    """Run the fork's tests on a base through the `test` verb (the test runner); None when it is absent."""
+    if importlib.util.find_spec("tools.fork.test") is None:
+        print(f"fork: note: tools/fork/test.py is absent: the fork's tests were NOT run on {version}", flush=True)
+        return None
+    cmd = [sys.executable, "-m", "tools.fork", "-C", str(cfg.root), "test", "--base", version]
+    print(f"fork: running the fork's tests on {version}: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2]).returncode
 
 
 def check_base(cfg: ForkConfig, version: str, args) -> list[str]:
@@ -174,6 +198,10 @@ def run(args, cfg) -> int:
         status = "ok" if not found else f"{len(found)} problem(s)"
         print(f"fork check: {label} vllm-ascend {version}: {n} patch(es): {status}")
         problems += [f"[{version}] {msg}" for msg in found]
+        if getattr(args, "test", False) and not found:
+            rc = run_fork_tests(cfg, version)
+            if rc:
+                problems.append(f"[{version}] the fork's tests failed (exit {rc})")
     for msg in problems:
         print(f"  - {msg}")
     return EXIT_FAILED if problems else EXIT_OK

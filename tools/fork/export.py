@@ -11,6 +11,7 @@ deterministic: exporting an unchanged series reproduces `patches/` byte for byte
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -103,14 +104,18 @@ def fold_overlay_edits(cfg: ForkConfig, tree: Path, version: str) -> list[str]:
 
 
 def stage_series(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]], patches_dir: Path) -> None:
-    """Stage patches/*.patch and patches/series for `rendered` (old patch files removed)."""
+    """Stage patches/*.patch and patches/series for `rendered` (old patch files removed).
+
+    In the fork's own patches/, names the pin does not apply (variant-only patches, kept for
+    older bases) stay listed at their place."""
     names = [name for name, _ in rendered]
     for name, data in rendered:
         staged.write(patches_dir / name, data)
     for old in patches_dir.glob("*.patch"):
         if old.name not in names:
             staged.delete(old)
-    staged.write(patches_dir / "series", series.series_text(names).encode())
+    listed = series.carry_variant_only(cfg, names) if patches_dir == cfg.patches_dir else names
+    staged.write(patches_dir / "series", series.series_text(listed).encode())
 
 
 def stage_overlay(cfg: ForkConfig, staged: StagedWrite, tree: Path, version: str) -> None:
@@ -122,20 +127,47 @@ def stage_overlay(cfg: ForkConfig, staged: StagedWrite, tree: Path, version: str
         staged.delete(cfg.root / path)
 
 
+def renames(cfg: ForkConfig, rendered: list[tuple[str, bytes]]) -> dict[str, str]:
+    """Old patch name -> new name, for pin patches whose file name changes (matched by subject)."""
+    new_by_subject = {series.mailinfo(data).subject: name for name, data in rendered}
+    out = {}
+    for p in series.read(cfg):
+        new = new_by_subject.get(p.info.subject)
+        if new and new != p.name:
+            out[p.name] = new
+    return out
+
+
 def stage_fork_toml_renames(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]]) -> None:
     """Keep `[patches."NAME"]` entries of fork.toml attached to their patch when names change."""
     text = cfg.toml_path.read_text()
-    new_by_subject = {series.mailinfo(data).subject: name for name, data in rendered}
-    new_text = text
-    for old in cfg.fork_only:
-        old_path = cfg.patches_dir / old
-        if not old_path.exists():
-            continue
-        new = new_by_subject.get(series.mailinfo(old_path.read_bytes()).subject)
-        if new and new != old:
-            new_text = new_text.replace(f'"{old}"', f'"{new}"')
+    mapping = {old: new for old, new in renames(cfg, rendered).items() if old in cfg.fork_only}
+    new_text = rename_toml_entries(text, mapping)
     if new_text != text:
         staged.write(cfg.toml_path, new_text.encode())
+
+
+def rename_toml_entries(text: str, mapping: dict[str, str]) -> str:
+    """Rename `[patches."OLD"]` tables to `[patches."NEW"]` in one pass (chains stay correct)."""
+    if not mapping:
+        return text
+    pattern = re.compile(r'^(\[patches\.")([^"]+)("\][ \t]*(?:#.*)?)$', re.M)
+    return pattern.sub(lambda m: m.group(1) + mapping.get(m.group(2), m.group(2)) + m.group(3), text)
+
+
+def stage_variant_renames(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]]) -> None:
+    """Per-base variants (patches/bases/<version>/NAME) follow their patch when its name changes."""
+    mapping = renames(cfg, rendered)
+    root = cfg.patches_dir / "bases"
+    if not mapping or not root.is_dir():
+        return
+    for d in sorted(x for x in root.iterdir() if x.is_dir()):
+        files = {f.name: f.read_bytes() for f in d.glob("*.patch")}
+        renamed = {mapping.get(name, name): data for name, data in files.items()}
+        for name, data in renamed.items():
+            staged.write(d / name, data)
+        for name in files.keys() - renamed.keys():
+            staged.delete(d / name)
 
 
 def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[Path]]:
@@ -152,6 +184,7 @@ def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[Path]]:
     staged = StagedWrite()
     stage_series(cfg, staged, rendered, cfg.patches_dir)
     stage_fork_toml_renames(cfg, staged, rendered)
+    stage_variant_renames(cfg, staged, rendered)
     stage_overlay(cfg, staged, tree, version)
     changed = staged.commit()
     patches = [series.Patch(name, cfg.patches_dir / name) for name, _ in rendered]

@@ -95,7 +95,8 @@ def am(tree: Path, patch: Patch, *, three_way: bool = False) -> None:
     """Apply one patch as one commit. On failure the am session is left for the caller."""
     args = ["am", "--keep-non-patch", "--whitespace=nowarn"]
     if three_way:
-        args.append("-3")
+        # merge.renames defaults to diff.renames, which git.py pins off: let the merge follow renames.
+        args = ["-c", "merge.renames=true", *args, "-3"]
     proc = git.run([*args, str(patch.path.resolve())], tree, check=False)
     if proc.returncode != 0:
         raise ApplyFailed(patch, _am_failure_detail(proc.stdout + proc.stderr))

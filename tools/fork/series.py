@@ -79,6 +79,34 @@ def mailinfo(patch: bytes) -> MailInfo:
         )
 
 
+def file_sections(diff: bytes) -> dict[str, bytes]:
+    """Split a patch or `git diff --no-renames` output into its per-file parts: {path: bytes}.
+
+    The path is the file's path after the change (before it, for a deletion)."""
+    out: dict[str, bytes] = {}
+    parts = re.split(rb"^(?=diff --git a/)", diff, flags=re.M)
+    for part in parts[1:]:
+        header = part.split(b"\n", 1)[0][len(b"diff --git a/") :].decode(errors="replace")
+        # No renames: the header is "P b/P"; P may contain spaces, so split it in the middle.
+        path = header[: (len(header) - 3) // 2] if len(header) % 2 == 1 else header.split(" b/", 1)[0]
+        out[path] = part
+    return out
+
+
+def created_files(patch: bytes) -> list[str]:
+    """Files a patch creates (`new file mode`)."""
+    return [path for path, part in file_sections(patch).items() if re.search(rb"^new file mode ", part, re.M)]
+
+
+def patch_id(diff: bytes) -> str:
+    """`git patch-id --stable` of a patch or diff (ignores line numbers, whitespace and the message);
+    empty for a patch without changes."""
+    proc = subprocess.run(["git", "patch-id", "--stable"], input=diff, capture_output=True, env=git.git_env())
+    if proc.returncode != 0:
+        raise BadInput(f"git patch-id failed: {proc.stderr.decode(errors='replace').strip()}")
+    return proc.stdout.decode().split(" ", 1)[0].strip()
+
+
 def read_names(cfg: ForkConfig) -> list[str]:
     """Patch names from `patches/series` (quilt format: one name a line, `#` comments)."""
     if not cfg.series_file.exists():
@@ -91,21 +119,56 @@ def read_names(cfg: ForkConfig) -> list[str]:
     return names
 
 
-def read(cfg: ForkConfig, version: str | None = None) -> list[Patch]:
-    """The series for a base: the pin's patches, with per-base variants substituted."""
+def resolve(cfg: ForkConfig, version: str | None = None) -> list[tuple[str, Path | None]]:
+    """Each name in `patches/series` with the file that applies on the base `version` (the pin
+    when None), or None where the patch is not applied on that base.
+
+    Per-base variants (`patches/bases/<version>/<name>`, written by `rebase`) replace the pin's
+    patch on their base. An EMPTY variant means "already upstream on this base: skip it". A name
+    with no file under `patches/` but variants under `patches/bases/` is a patch the pin no longer
+    needs (already upstream there) that older bases still carry: only bases with a variant apply it.
+    """
     names = read_names(cfg)
     if len(set(names)) != len(names):
         raise BadInput(f"{cfg.series_file}: a patch is listed twice")
     variants = cfg.variants_dir(version) if version and version != cfg.pin.version else None
-    patches = []
+    out: list[tuple[str, Path | None]] = []
     for name in names:
-        path = cfg.patches_dir / name
-        if variants is not None and (variants / name).exists():
-            path = variants / name
-        if not path.is_file():
-            raise BadInput(f"{cfg.series_file} lists {name}, but {path} does not exist")
-        patches.append(Patch(name, path))
-    return patches
+        main = cfg.patches_dir / name
+        variant = variants / name if variants is not None else None
+        if variant is not None and variant.is_file():
+            out.append((name, variant if variant.read_bytes().strip() else None))
+        elif main.is_file():
+            out.append((name, main))
+        elif any((d / name).is_file() for d in _variant_dirs(cfg)):
+            out.append((name, None))  # a variant-only patch: not needed on this base
+        else:
+            raise BadInput(f"{cfg.series_file} lists {name}, but {main} does not exist")
+    return out
+
+
+def _variant_dirs(cfg: ForkConfig) -> list[Path]:
+    root = cfg.patches_dir / "bases"
+    return sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+
+
+def read(cfg: ForkConfig, version: str | None = None) -> list[Patch]:
+    """The series for a base: the pin's patches, with per-base variants substituted (see `resolve`)."""
+    return [Patch(name, path) for name, path in resolve(cfg, version) if path is not None]
+
+
+def carry_variant_only(cfg: ForkConfig, pin_names: list[str]) -> list[str]:
+    """The series list for new pin patches `pin_names` (an export), keeping each name the pin does
+    not apply (variant-only, see `resolve`) where it was: after the same number of pin patches."""
+    out = list(pin_names)
+    applied = inserted = 0
+    for name, path in resolve(cfg):
+        if path is not None:
+            applied += 1
+        elif name not in out:
+            out.insert(min(applied + inserted, len(out)), name)
+            inserted += 1
+    return out
 
 
 def series_text(names: list[str]) -> str:

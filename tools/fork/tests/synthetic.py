@@ -1,0 +1,310 @@
+"""Synthetic upstreams and throwaway fork repositories for the tooling's tests (no network).
+
+An upstream release is a dict {path: text}; `make_sdist` packs it as a vllm-ascend sdist
+(deterministic tar.gz, PKG-INFO with the version) whose sha256 is then known. A `Fork` is a
+fork repository in a temporary directory: fork.toml pinning one release, the sdists in its own
+cache (FORK_CACHE), and a series made the way a maintainer makes one: `apply`, commit in the
+materialized tree, `export`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import os
+import tarfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.fork import cli, git, txn
+from tools.fork.config import OVERLAY_ROOTS
+
+AUTHOR_NAME, AUTHOR_EMAIL = "Fork Dev", "dev@example.com"
+AUTHOR_DATE = "2026-01-02T03:04:05+0000"
+
+COPY_PY = '''"""Copy kernels (synthetic upstream)."""
+
+
+def batch_copy(src, dst, sizes):
+    n = len(sizes)
+    for i in range(n):
+        size = sizes[i]
+        data = load(src[i], size)
+        store(dst[i], data)
+    return n
+
+
+def helper_one(x):
+    return x + 1
+
+
+def helper_two(x):
+    return x * 2
+
+
+def helper_three(x):
+    return x - 3
+'''
+
+PATCH_UTILS_PY = '''"""Worker patches (synthetic upstream)."""
+
+
+def fallback(batch, snapshot, num_reqs):
+    """The 310P fallback."""
+    out = []
+    num_accepted = batch.num_accepted_cpu
+    for i in range(num_reqs):
+        out.append(num_accepted[i])
+    return out
+
+
+def unrelated():
+    return None
+'''
+
+ENVS_PY = """env_variables = {
+    "VLLM_ASCEND_A": lambda: 1,
+}
+"""
+
+UPSTREAM: dict[str, str] = {
+    "setup.py": "from setuptools import setup\n\nsetup()\n",
+    "README.md": "# vllm-ascend (synthetic)\n",
+    "vllm_ascend/__init__.py": "",
+    "vllm_ascend/envs.py": ENVS_PY,
+    "vllm_ascend/ops/__init__.py": "",
+    "vllm_ascend/ops/copy.py": COPY_PY,
+    "vllm_ascend/patch/worker/patch_utils.py": PATCH_UTILS_PY,
+    "tests/ut/test_envs.py": "def test_envs():\n    assert True\n",
+}
+
+Edit = Callable[[str | None], str | None]  # old text (None: absent) -> new text (None: delete)
+
+
+def replace(old: str, new: str) -> Edit:
+    def edit(text: str | None) -> str:
+        assert text is not None and text.count(old) == 1, f"{old!r} must occur once"
+        return text.replace(old, new)
+
+    return edit
+
+
+def const(text: str | None) -> Edit:
+    return lambda _old: text
+
+
+# The series: three patches, the last fork-only.
+P1_CODE = replace("        store(dst[i], data)\n", "        barrier()  # all loads before any store\n        store(dst[i], data)\n")
+P2_CODE = replace(
+    "    num_accepted = batch.num_accepted_cpu\n",
+    "    # Rows may be condensed or reused: read this step's snapshot.\n    num_accepted = snapshot\n",
+)
+MEMMOVE_PY = "def memmove(pairs):\n    for src, dst in pairs:\n        dst[:] = src.copy()\n"
+SERIES = [
+    (
+        "[Ops][BugFix] Guard overlapping copies in batch_copy",
+        {
+            "vllm_ascend/ops/copy.py": P1_CODE,
+            "vllm_ascend/ops/memmove.py": const(MEMMOVE_PY),
+            "tests/ut/ops/test_memmove.py": const("def test_memmove():\n    assert True\n"),
+        },
+    ),
+    (
+        "[Worker][BugFix] Read the per-step snapshot in the fallback",
+        {
+            "vllm_ascend/patch/worker/patch_utils.py": P2_CODE,
+            "tests/ut/worker/test_snapshot.py": const("def test_snapshot():\n    assert True\n"),
+        },
+    ),
+    (
+        "[Misc][Feature] Honour the deployment alias",
+        {
+            "vllm_ascend/envs.py": replace("}\n", '    "GLM53_BATCH_MEMCPY": lambda: 0,\n}\n'),
+            "vllm_ascend/worker/alias.py": const("ALIAS = 'GLM53_BATCH_MEMCPY'\n"),
+        },
+    ),
+]
+
+
+def edited(files: dict[str, str], edits: dict[str, Edit]) -> dict[str, str]:
+    """`files` with `edits` applied (the oracle for what a tree should hold)."""
+    out = dict(files)
+    for path, edit in edits.items():
+        new = edit(out.get(path))
+        if new is None:
+            out.pop(path, None)
+        else:
+            out[path] = new
+    return out
+
+
+def message(subject: str, tested: str = "pytest tests/ut (all passed)") -> str:
+    return (
+        f"{subject}\n\n"
+        "### What this PR does / why we need it?\n"
+        f"{subject.split('] ')[-1]}.\n\n"
+        "### Does this PR introduce _any_ user-facing change?\n"
+        "No.\n\n"
+        "### How was this patch tested?\n"
+        f"{tested}\n\n"
+        f"Signed-off-by: {AUTHOR_NAME} <{AUTHOR_EMAIL}>\n"
+    )
+
+
+def make_sdist(dest: Path, version: str, files: dict[str, str], dist: str = "vllm_ascend") -> tuple[Path, str]:
+    """A deterministic sdist of `files`; returns (path, sha256)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    top = f"{dist}-{version}"
+    members = dict(files)
+    members["PKG-INFO"] = f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        dirs = set()
+        for p in members:
+            parent = Path(top, p).parent
+            while str(parent) != ".":
+                dirs.add(str(parent))
+                parent = parent.parent
+        for d in sorted(dirs):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
+            tar.addfile(info)
+        for p in sorted(members):
+            data = members[p].encode()
+            info = tarfile.TarInfo(f"{top}/{p}")
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    path = dest / f"{dist}-{version}.tar.gz"
+    with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0, filename="") as gz:
+        gz.write(buf.getvalue())
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    err: str
+
+    @property
+    def text(self) -> str:
+        return self.out + self.err
+
+
+class Fork:
+    """A throwaway fork repository over synthetic releases."""
+
+    def __init__(self, tmp: Path, monkeypatch, releases: dict[str, dict[str, str]], pin: str, bases: list[str]):
+        self.tmp = tmp
+        self.root = tmp / "repo"
+        self.cache = tmp / "cache"
+        self.elsewhere = tmp / "elsewhere"  # sdists not in the cache (for --sdist)
+        monkeypatch.setenv("FORK_CACHE", str(self.cache))
+        self.sha: dict[str, str] = {}
+        self.releases = releases
+        for version, files in releases.items():
+            _, self.sha[version] = make_sdist(self.cache / "sdists", version, files)
+        self.root.mkdir(parents=True)
+        (self.root / "patches").mkdir()
+        (self.root / "patches" / "series").write_text("")
+        lines = [
+            "# A synthetic fork (tests).",
+            "",
+            "[upstream]",
+            'dist = "vllm-ascend"',
+            f'version = "{pin}"',
+            f'sha256 = "{self.sha[pin]}"',
+            "",
+            "# Bases the series is kept green on.",
+        ]
+        for b in bases:
+            lines += ["[[bases]]", f'version = "{b}"', f'sha256 = "{self.sha[b]}"', ""]
+        (self.root / "fork.toml").write_text("\n".join(lines))
+
+    # --- running the tooling -------------------------------------------------------------------
+
+    def cli(self, *argv: str) -> Run:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(["-C", str(self.root), *argv])
+        return Run(rc, out.getvalue(), err.getvalue())
+
+    def ok(self, *argv: str) -> Run:
+        r = self.cli(*argv)
+        assert r.rc == 0, f"{argv} exited {r.rc}:\n{r.text}"
+        return r
+
+    # --- making the series ----------------------------------------------------------------------
+
+    @property
+    def tree(self) -> Path:
+        return self.root / "build" / "fork"
+
+    def commit(self, tree: Path, subject: str, edits: dict[str, Edit], msg: str | None = None) -> None:
+        for path, edit in edits.items():
+            target = tree / path
+            new = edit(target.read_text() if target.exists() else None)
+            if new is None:
+                target.unlink()
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(new)
+        git.run(["add", "-A", "."], tree)
+        env = {"GIT_AUTHOR_NAME": AUTHOR_NAME, "GIT_AUTHOR_EMAIL": AUTHOR_EMAIL, "GIT_AUTHOR_DATE": AUTHOR_DATE}
+        git.run(["commit", "-q", "--no-verify", "-m", msg or message(subject)], tree, env=env)
+
+    def make_series(self, patches=SERIES, fork_only: tuple[int, ...] = (3,)) -> list[str]:
+        self.ok("apply")
+        for subject, edits in patches:
+            self.commit(self.tree, subject, edits)
+        self.ok("export")
+        names = self.series()
+        for n in fork_only:
+            with open(self.root / "fork.toml", "a") as f:
+                f.write(f'\n[patches."{names[n - 1]}"]\nfork_only = true\nreason = "deployment alias"\n')
+        return names
+
+    def series(self) -> list[str]:
+        return [line for line in (self.root / "patches" / "series").read_text().splitlines() if line.strip()]
+
+    def add_base(self, version: str) -> None:
+        with open(self.root / "fork.toml", "a") as f:
+            f.write(f'\n[[bases]]\nversion = "{version}"\nsha256 = "{self.sha[version]}"\n')
+
+    def sdist_elsewhere(self, version: str, files: dict[str, str]) -> tuple[Path, str]:
+        return make_sdist(self.elsewhere, version, files)
+
+    # --- observing ----------------------------------------------------------------------------
+
+    def protected(self) -> list[Path]:
+        return [self.root / "patches", self.root / "fork.toml", *(self.root / r for r in OVERLAY_ROOTS)]
+
+    def snapshot(self) -> dict[Path, bytes]:
+        return txn.snapshot(self.protected())
+
+    def patch(self, name: str, base: str | None = None) -> bytes:
+        d = self.root / "patches" if base is None else self.root / "patches" / "bases" / base
+        return (d / name).read_bytes()
+
+    def variants(self) -> dict[str, bytes]:
+        root = self.root / "patches" / "bases"
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*.patch"))} if root.exists() else {}
+
+    @property
+    def work(self) -> Path:
+        return self.root / "build" / "rebase"
+
+    def tree_files(self, tree: Path) -> dict[str, str]:
+        files = git.out(["ls-files"], tree).splitlines()
+        return {f: (tree / f).read_text() for f in files}
+
+
+def staged_leftovers(root: Path) -> list[Path]:
+    return [p for p in root.rglob(f"*{txn._TMP_SUFFIX}")]
+
+
+def env_without_git() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}

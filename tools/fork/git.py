@@ -115,8 +115,9 @@ def is_clean(cwd: Path) -> bool:
 
 
 def dirty_paths(cwd: Path) -> list[str]:
-    lines = out(["status", "--porcelain", "--untracked-files=all"], cwd).splitlines()
-    return [line[3:] for line in lines]
+    # Not `out()`: stripping the output would eat the first line's leading status blank (" M path").
+    lines = run(["status", "--porcelain", "--untracked-files=all"], cwd).stdout.splitlines()
+    return [line[3:] for line in lines if line.strip()]
 
 
 def am_in_progress(cwd: Path) -> bool:

@@ -524,10 +524,11 @@ _STATUS = {
 
 def _conflict(tree: Path, item: Item, st: State, detail: str) -> Conflict:
     status = {}
-    for line in git.out(["status", "--porcelain", "--untracked-files=no"], tree).splitlines():
+    for line in git.run(["status", "--porcelain", "--untracked-files=no"], tree).stdout.splitlines():
         status[line[3:]] = line[:2]
     unmerged = git.out(["diff", "--name-only", "--diff-filter=U"], tree).splitlines()
     renames = _upstream_renames(tree, st)
+    renamed_from = {new: old for old, new in renames.items()}
     new_files = git.out(["ls-tree", "-r", "--name-only", base_tag(st.onto)], tree).splitlines()
     present = set(new_files)
     lines = []
@@ -535,6 +536,8 @@ def _conflict(tree: Path, item: Item, st: State, detail: str) -> Conflict:
         what = _STATUS.get(status.get(path, ""), "conflict")
         if path in renames:
             what += f"; renamed upstream to {renames[path]} (the merge did not follow it)"
+        elif path in renamed_from:
+            what += f"; renamed upstream from {renamed_from[path]}"
         elif status.get(path) == "DU" and path not in present:
             what += f"; not in {st.onto}"
         hunks = _marker_ranges(tree / path)

@@ -14,6 +14,8 @@ import gzip
 import hashlib
 import io
 import os
+import subprocess
+import sys
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -231,6 +233,15 @@ class Fork:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = cli.main(["-C", str(self.root), *argv])
         return Run(rc, out.getvalue(), err.getvalue())
+
+    def cli_subprocess(self, *argv: str) -> Run:
+        root = Path(__file__).resolve().parents[3]
+        env = dict(os.environ, PYTHONPATH=str(root))
+        p = subprocess.run(
+            [sys.executable, "-m", "tools.fork", "-C", str(self.root), *argv],
+            capture_output=True, text=True, cwd=root, env=env,
+        )  # fmt: skip
+        return Run(p.returncode, p.stdout, p.stderr)
 
     def ok(self, *argv: str) -> Run:
         r = self.cli(*argv)

@@ -207,15 +207,37 @@ def export_upstream(cfg: ForkConfig, dest: Path) -> list[str]:
         raise BadInput("not exporting for upstream; fix first:\n  - " + "\n  - ".join(problems))
     if dest.exists() and any(dest.iterdir()):
         raise LocalEdits(f"{dest} exists and is not empty")
+    _require_applies_without_fork_only(cfg, patches)
     staged = StagedWrite()
     renumbered = []
     for i, p in enumerate(patches, 1):
-        name = f"{i:04d}-{p.name.split('-', 1)[1]}"
+        stem = p.name.split("-", 1)[1] if p.name[:4].isdigit() and "-" in p.name else p.name
+        name = f"{i:04d}-{stem}"
         staged.write(dest / name, p.data)
         renumbered.append(name)
     staged.write(dest / "series", series.series_text(renumbered).encode())
     staged.commit()
     return renumbered
+
+
+def _require_applies_without_fork_only(cfg: ForkConfig, patches: list[series.Patch]) -> None:
+    """The upstreamable patches must be a clean `git am` series on the pin by themselves."""
+    if not set(cfg.fork_only) & set(series.read_names(cfg)):
+        return  # the same series `check` applies
+    from tools.fork import materialize, upstream
+
+    cfg.build_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cfg.build_dir, prefix="export-upstream-") as tmp:
+        tree = Path(tmp) / "tree"
+        materialize.create_base(upstream.resolve(cfg, None), tree)
+        try:
+            materialize.apply_series(tree, patches)
+        except materialize.ApplyFailed as exc:
+            raise BadInput(
+                f"without the fork-only patches ({', '.join(sorted(cfg.fork_only))}) the series does not apply to "
+                f"vllm-ascend {cfg.pin.version}: {exc}\nMove fork-only patches after the upstreamable ones they "
+                "touch, or take what the patch needs out of the fork-only patch."
+            ) from None
 
 
 def run(args, cfg) -> int:

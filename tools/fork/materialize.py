@@ -67,16 +67,22 @@ def create_base(source: upstream.Source, tree: Path) -> str:
     try:
         upstream.extract(source, tree)
         git.run(["init", "-q", "-b", BRANCH], tree)
-        # -f: the release ships files its own .gitignore names (e.g. csrc/third_party);
-        # generated files stay untracked so builds and installs can rewrite them.
-        git.run(["add", "-A", "-f", "--", ".", *(f":!{p}" for p in upstream.GENERATED_FILES)], tree)
-        name, email = BASE_AUTHOR[:-1].split(" <")
-        env = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": git.FIXED_DATE}
-        git.run(["commit", "-q", "--no-verify", "-m", f"upstream {source.version}"], tree, env=env)
-        git.run(["tag", base_tag(source.version)], tree)
+        return commit_release(source, tree)
     except BaseException:
         shutil.rmtree(tree, ignore_errors=True)
         raise
+
+
+def commit_release(source: upstream.Source, tree: Path) -> str:
+    """Commit the release files extracted in `tree` as "upstream <version>" on the current (unborn)
+    branch, tagged v<version>; return the commit."""
+    # -f: the release ships files its own .gitignore names (e.g. csrc/third_party);
+    # generated files stay untracked so builds and installs can rewrite them.
+    git.run(["add", "-A", "-f", "--", ".", *(f":!{p}" for p in upstream.GENERATED_FILES)], tree)
+    name, email = BASE_AUTHOR[:-1].split(" <")
+    env = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": git.FIXED_DATE}
+    git.run(["commit", "-q", "--no-verify", "-m", f"upstream {source.version}"], tree, env=env)
+    git.run(["tag", base_tag(source.version)], tree)
     return git.out(["rev-parse", "HEAD"], tree)
 
 

@@ -99,7 +99,9 @@ def run(args, cfg: ForkConfig) -> int:
         ok, shown = True, 0
         for i, p in enumerate(patches):
             if p.name in cfg.fork_only:
-                print(f"fork pr: patch {i + 1} {p.name} is fork-only ({cfg.fork_only[p.name]}): left out", file=sys.stderr)
+                print(
+                    f"fork pr: patch {i + 1} {p.name} is fork-only ({cfg.fork_only[p.name]}): left out", file=sys.stderr
+                )
                 continue
             if shown:
                 print("\n" + "=" * 78 + "\n")

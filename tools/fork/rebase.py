@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -280,7 +279,8 @@ def _require_no_unexported_edits(cfg: ForkConfig) -> None:
             raise LocalEdits(
                 f"{tree} has work that is not in patches/ and would be left out of the rebase:\n  - "
                 + "\n  - ".join(edits)
-                + "\nExport it first (`python -m tools.fork export`), or discard it (`python -m tools.fork apply --force`)."
+                + "\nExport it first (`python -m tools.fork export`), or discard it "
+                "(`python -m tools.fork apply --force`)."
             )
 
 
@@ -336,20 +336,24 @@ def _loud(message: str) -> None:
 
 
 def _setup(cfg, work: Path, old_pin: str, old_patches, version: str, source, target) -> State:
-    """Materialize the old series (for range-diff and evidence) and the new base in one repository."""
-    old_tree, tree, queue = work / "old", work / "tree", work / "queue"
-    materialize.create_base(upstream.resolve(cfg, old_pin), old_tree)
-    try:
-        materialize.apply_series(old_tree, old_patches)
-    except ApplyFailed as exc:
-        raise ForkError(f"the current series does not apply to its pin {old_pin}: {exc}\nFix it first (`python -m tools.fork check`).") from None
-    materialize.create_base(source, tree)
-    git.run(
-        ["fetch", "-q", "--no-tags", str(old_tree), f"+refs/heads/{materialize.BRANCH}:{OLD_REF}",
-         f"+refs/tags/{base_tag(old_pin)}:refs/tags/{base_tag(old_pin)}"],
-        tree,
-    )  # fmt: skip
-    shutil.rmtree(old_tree)
+    """The rebase tree: a clone of the old series (materialized as `apply` does, in build/fork when
+    that is free) for range-diff and evidence, plus the new release as a second root commit, on
+    which branch `fork` starts."""
+    old_tree, tree, queue = _old_series_tree(cfg, work, old_pin, old_patches), work / "tree", work / "queue"
+    # --local: objects are hard-linked, not copied; the clone is a standalone repository.
+    git.run(["clone", "-q", "--local", "--no-checkout", "--no-tags", "--single-branch", "-b", materialize.BRANCH,
+             str(old_tree), str(tree)], work)  # fmt: skip
+    git.run(["fetch", "-q", str(old_tree), f"refs/tags/{base_tag(old_pin)}:refs/tags/{base_tag(old_pin)}"], tree)
+    git.run(["update-ref", OLD_REF, f"refs/heads/{materialize.BRANCH}"], tree)
+    git.run(["remote", "remove", "origin"], tree)
+    if old_tree.parent == work:
+        shutil.rmtree(old_tree)
+    # The new release: a root commit on an unborn branch, which becomes `fork`.
+    git.run(["symbolic-ref", "HEAD", "refs/heads/rebase-new-base"], tree)
+    git.run(["read-tree", "--empty"], tree)
+    upstream.extract(source, tree)
+    materialize.commit_release(source, tree)
+    git.run(["branch", "-M", materialize.BRANCH], tree)
     queue.mkdir()
     items = []
     for name, path in target:
@@ -363,6 +367,21 @@ def _setup(cfg, work: Path, old_pin: str, old_patches, version: str, source, tar
         onto=version, onto_sha256="", first_use=False, old_pin=old_pin, drop_old_base=False, test=False,
         digest=_digest(_protected_files(cfg)), items=items, head=head,
     )  # fmt: skip
+
+
+def _old_series_tree(cfg: ForkConfig, work: Path, old_pin: str, old_patches) -> Path:
+    """The old series materialized on the old pin: build/fork (brought up to date as `apply` would),
+    or, when build/fork is on another base, a private tree under build/rebase."""
+    fork = cfg.default_fork_dir()
+    tree = fork if not fork.exists() or materialize.base_version(fork) == old_pin else work / "old"
+    try:
+        materialize.materialize(tree, lambda: upstream.resolve(cfg, old_pin), old_pin, old_patches)
+    except ApplyFailed as exc:
+        raise ForkError(
+            f"the current series does not apply to its pin {old_pin}: {exc}\n"
+            "Fix it first (`python -m tools.fork check`)."
+        ) from None
+    return tree
 
 
 # --- applying ---------------------------------------------------------------------------------
@@ -573,7 +592,9 @@ def _marker_ranges(path: Path) -> list[str]:
 def print_conflict(cfg: ForkConfig, st: State, c: Conflict) -> None:
     tree = workdir(cfg) / "tree"
     n = len(st.items)
-    print(f"fork rebase: CONFLICT in patch {st.index + 1}/{n} {c.item.name} ({c.item.origin}) onto vllm-ascend {st.onto}")
+    print(
+        f"fork rebase: CONFLICT in patch {st.index + 1}/{n} {c.item.name} ({c.item.origin}) onto vllm-ascend {st.onto}"
+    )
     for line in c.files or [f"git am -3 could not apply it: {c.detail}"]:
         print(f"  {line}")
     unresolved = [line.split(":", 1)[0] for line in c.files]
@@ -620,7 +641,8 @@ def _require_unchanged(cfg: ForkConfig, st: State) -> None:
     if _digest(_protected_files(cfg)) != st.digest:
         raise LocalEdits(
             "patches/, fork.toml or the overlay changed since the rebase started; finishing it would overwrite "
-            "those changes. Undo them (e.g. `git stash`), then `rebase --continue`; or `rebase --abort` and start again."
+            "those changes. Undo them (e.g. `git stash`), then `rebase --continue`; or `rebase --abort` and start "
+            "again."
         )
 
 
@@ -875,7 +897,9 @@ def _after_write(cfg: ForkConfig, work: Path, st: State) -> int:
     print()
     print(f"fork rebase: git range-diff {st.old_pin}..old-series {st.onto}..new-series")
     rd = git.run(
-        ["range-diff", "--no-color", f"{base_tag(st.old_pin)}..{OLD_REF}", f"{base_tag(st.onto)}..HEAD"], tree, check=False
+        ["range-diff", "--no-color", f"{base_tag(st.old_pin)}..{OLD_REF}", f"{base_tag(st.onto)}..HEAD"],
+        tree,
+        check=False,
     )
     for line in (rd.stdout or rd.stderr).rstrip().splitlines():
         print(f"    {line}")
@@ -918,7 +942,9 @@ def _install_tree(cfg: ForkConfig, tree: Path, st: State) -> None:
         if git.is_repo(fork) and not materialize.local_edits(fork):
             shutil.rmtree(fork)
         else:
-            print(f"fork rebase: note: {fork} was left as it is (it has local edits); `apply --force` re-materializes it")
+            print(
+                f"fork rebase: note: {fork} was left as it is (it has local edits); `apply --force` re-materializes it"
+            )
             return
     fork.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tree, fork)

@@ -99,7 +99,9 @@ def const(text: str | None) -> Edit:
 
 
 # The series: three patches, the last fork-only.
-P1_CODE = replace("        store(dst[i], data)\n", "        barrier()  # all loads before any store\n        store(dst[i], data)\n")
+P1_CODE = replace(
+    "        store(dst[i], data)\n", "        barrier()  # all loads before any store\n        store(dst[i], data)\n"
+)
 P2_CODE = replace(
     "    num_accepted = batch.num_accepted_cpu\n",
     "    # Rows may be condensed or reused: read this step's snapshot.\n    num_accepted = snapshot\n",
@@ -302,7 +304,11 @@ class Fork:
 
     def variants(self) -> dict[str, bytes]:
         root = self.root / "patches" / "bases"
-        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*.patch"))} if root.exists() else {}
+        return (
+            {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*.patch"))}
+            if root.exists()
+            else {}
+        )
 
     @property
     def work(self) -> Path:

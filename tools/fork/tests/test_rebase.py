@@ -21,9 +21,15 @@ from pathlib import Path
 import pytest
 
 from tools.fork import config, git, rebase, series
-from tools.fork.errors import EXIT_BAD_INPUT, EXIT_CONFLICT, EXIT_FAILED, EXIT_IN_PROGRESS, EXIT_LOCAL_EDITS, EXIT_UPSTREAM
+from tools.fork.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CONFLICT,
+    EXIT_FAILED,
+    EXIT_IN_PROGRESS,
+    EXIT_LOCAL_EDITS,
+    EXIT_UPSTREAM,
+)
 from tools.fork.tests.synthetic import (
-    P1_CODE,
     P2_CODE,
     SERIES,
     UPSTREAM,
@@ -160,7 +166,8 @@ def test_conflict_stops_then_continue_after_resolution(tmp_path, monkeypatch):
     assert_unchanged(fork, before)
     # Resolve: upstream's new store call, guarded.
     resolved = b[COPY].replace(
-        "        store(dst[i], data, cache=False)\n", "        barrier()  # all loads before any store\n        store(dst[i], data, cache=False)\n"
+        "        store(dst[i], data, cache=False)\n",
+        "        barrier()  # all loads before any store\n        store(dst[i], data, cache=False)\n",
     )
     (tree / COPY).write_text(resolved)
     git.run(["add", COPY], tree)
@@ -291,7 +298,9 @@ def test_file_renamed_upstream_is_followed(tmp_path, monkeypatch):
 
 def test_file_renamed_and_changed_upstream_conflicts_at_the_new_path(tmp_path, monkeypatch):
     b = dict(UPSTREAM)
-    b["vllm_ascend/ops/copy_ops.py"] = b.pop(COPY).replace("        store(dst[i], data)\n", "        put(dst[i], data)\n")
+    b["vllm_ascend/ops/copy_ops.py"] = b.pop(COPY).replace(
+        "        store(dst[i], data)\n", "        put(dst[i], data)\n"
+    )
     fork = make(tmp_path, monkeypatch, b)
     r = fork.cli("rebase", "--onto", B)
     assert r.rc == EXIT_CONFLICT
@@ -441,7 +450,11 @@ def test_failure_during_continue_keeps_the_resolution(tmp_path, monkeypatch):
 
 
 def test_full_disk_on_the_final_write(tmp_path, monkeypatch):
-    fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {COPY: replace("        size = sizes[i]\n", "        size = int(sizes[i])\n")}))
+    fork = make(
+        tmp_path,
+        monkeypatch,
+        edited(UPSTREAM, {COPY: replace("        size = sizes[i]\n", "        size = int(sizes[i])\n")}),
+    )
     before = fork.snapshot()
     real_open, opened = builtins.open, []
 

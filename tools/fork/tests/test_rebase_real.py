@@ -1,0 +1,122 @@
+"""`rebase` on the REAL releases 0.23.0 and 0.23.0.post1 (slow: marked `slow`, ~1 minute).
+
+Until the fix series lands this uses a faithful stand-in for it (the integrator re-runs it on the
+real series): patch 1 edits vllm_ascend/ops/triton/batch_memcpy.py (identical in both releases)
+and adds a module; patch 2 is the 310P snapshot patch, written on 0.23.0 where it is real code
+(the fallback's `num_accepted_tokens = ...` line, replaced by exactly upstream's post1 lines) plus
+its test. FACTS.md: 0.23.0.post1 already has that code change.
+
+Expected, and checked here:
+  0.23.0 -> 0.23.0.post1: patch 2 is "partially upstream", naming patch_mamba_utils.py with
+  patch-id evidence; on post1 it is test-only and 0.23.0 keeps the code+test version as its
+  variant; `check --all-bases` is green on both.
+  -> 0.23.0 -> 0.23.0.post1 again: each direction takes the stored variant ("applied cleanly"),
+  and the round trip reproduces patches/, fork.toml and the overlay byte for byte.
+The sdists must be in the cache (~/.cache/vllm-ascend-fork/sdists); otherwise the test is skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.fork import config, series
+from tools.fork.tests.synthetic import Fork, const, replace
+
+pytestmark = pytest.mark.slow
+
+POST1, V0 = "0.23.0.post1", "0.23.0"
+SHA256 = {
+    POST1: "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1",
+    V0: "a58db76eaffcf328b13b315a0db3a57d381a8947d01057ddcefe4ad02372b242",
+}
+MAMBA_UTILS = "vllm_ascend/patch/worker/patch_mamba_utils.py"
+SNAPSHOT_TEST = "tests/ut/_310p/test_mamba_align_fallback_310p_snapshot.py"
+
+STANDIN = [
+    (
+        "[Ops][BugFix] Guard left-overlapping copies in batch_memcpy",
+        {
+            "vllm_ascend/ops/triton/batch_memcpy.py": replace(
+                '        data = tl.load(curr_src_ptr, mask=mask, cache_modifier=".cg")\n',
+                '        data = tl.load(curr_src_ptr, mask=mask, cache_modifier=".cg")\n'
+                "        if is_left_overlap:\n"
+                "            tl.debug_barrier()\n",
+            ),
+            "vllm_ascend/worker/mamba_state_copy.py": const('"""Stand-in for the fork\'s copy dispatch module."""\n'),
+        },
+    ),
+    (
+        "[Ops][BugFix] Make the 310P Mamba align fallback read the per-step accepted-token snapshot",
+        {
+            MAMBA_UTILS: replace(
+                "    num_accepted_tokens = input_batch.num_accepted_tokens_cpu\n",
+                "    # InputBatch rows may be condensed/reused by async scheduling before this\n"
+                "    # fallback consumes the snapshot. Keep this step's accepted counts\n"
+                "    # independent from those mutable request rows.\n"
+                "    num_accepted_tokens = num_accepted_tokens_cpu_tensor\n",
+            ),
+            SNAPSHOT_TEST: const("# Stand-in for the regression test (rebase test data; never run).\n"),
+        },
+    ),
+]
+
+
+class RealFork(Fork):
+    """A throwaway fork repository over the real releases in the real sdist cache."""
+
+    def __init__(self, tmp: Path, pin: str):
+        self.tmp, self.root = tmp, tmp / "repo"
+        self.releases, self.sha = {}, dict(SHA256)
+        (self.root / "patches").mkdir(parents=True)
+        (self.root / "patches" / "series").write_text("")
+        (self.root / "fork.toml").write_text(
+            f'[upstream]\ndist = "vllm-ascend"\nversion = "{pin}"\nsha256 = "{SHA256[pin]}"\n\n'
+            f'[[bases]]\nversion = "{POST1}"\nsha256 = "{SHA256[POST1]}"\n\n'
+            f'[[bases]]\nversion = "{V0}"\nsha256 = "{SHA256[V0]}"\n'
+        )
+
+
+@pytest.fixture
+def real_fork(tmp_path, monkeypatch):
+    monkeypatch.delenv("FORK_CACHE", raising=False)
+    sdists = config.cache_dir() / "sdists"
+    for v in (POST1, V0):
+        if not (sdists / f"vllm_ascend-{v}.tar.gz").exists():
+            pytest.skip(f"vllm-ascend {v} sdist is not in {sdists}")
+    return RealFork(tmp_path, V0)
+
+
+def _outcome(text: str, name: str) -> str:
+    return next(line.split(f"{name}: ", 1)[1] for line in text.splitlines() if f"] {name}: " in line)
+
+
+def test_snapshot_patch_across_0_23_0_and_post1_both_ways(real_fork):
+    fork = real_fork
+    names = fork.make_series(STANDIN, fork_only=())
+    snapshot_patch = names[1]
+    original = fork.patch(snapshot_patch)
+
+    r = fork.ok("rebase", "--onto", POST1)
+    assert _outcome(r.out, names[0]) == "applied cleanly"
+    got = _outcome(r.out, snapshot_patch)
+    assert got.startswith("partially upstream")
+    assert (
+        f"{MAMBA_UTILS}: change already in {POST1}; upstream's own diff {V0}..{POST1} of it has the same patch-id"
+        in got
+    )
+    assert set(series.file_sections(fork.patch(snapshot_patch))) == {SNAPSHOT_TEST}  # test-only on post1
+    assert fork.variants() == {f"{V0}/{snapshot_patch}": original}  # 0.23.0 keeps the code change
+    assert config.load(fork.root).pin.version == POST1
+    fork.ok("check", "--all-bases")
+    on_post1 = fork.snapshot()
+
+    r = fork.ok("rebase", "--onto", V0)
+    assert _outcome(r.out, snapshot_patch) == f"applied cleanly ({V0} variant)"
+    assert fork.patch(snapshot_patch) == original
+    assert fork.variants() == {f"{POST1}/{snapshot_patch}": on_post1[fork.root / "patches" / snapshot_patch]}
+
+    r = fork.ok("rebase", "--onto", POST1)
+    assert _outcome(r.out, snapshot_patch) == f"applied cleanly ({POST1} variant)"
+    assert fork.snapshot() == on_post1  # lossless round trip

@@ -6,7 +6,7 @@ Every verb exits with one of these codes; `--help` and CONTRIBUTING.md list them
 from __future__ import annotations
 
 EXIT_OK = 0
-EXIT_FAILED = 1  # a check or a test run found problems
+EXIT_FAILED = 1  # a check or a test run found problems; an operation failed or was interrupted
 EXIT_BAD_INPUT = 2  # bad arguments, unknown version, missing or malformed file
 EXIT_CONFLICT = 3  # a rebase stopped at a conflict; resolve, then --continue or --abort
 EXIT_IN_PROGRESS = 4  # a rebase is already in progress; --continue or --abort it first
@@ -16,7 +16,8 @@ EXIT_LOCAL_EDITS = 6  # the operation would overwrite local edits
 EXIT_CODES_HELP = """\
 exit codes:
   0  done
-  1  a check or test run found problems (each is listed)
+  1  a check or test run found problems (each is listed), or the operation failed or was
+     interrupted (the message names the cause and what was left as it was)
   2  bad input: arguments, unknown version, missing or malformed file
   3  rebase stopped at a conflict: resolve it, then `rebase --continue` or `--abort`
   4  a rebase is already in progress: `rebase --continue` or `rebase --abort` first
@@ -46,3 +47,7 @@ class UpstreamUnavailable(ForkError):
 
 class LocalEdits(ForkError):
     exit_code = EXIT_LOCAL_EDITS
+
+
+class InProgress(ForkError):
+    exit_code = EXIT_IN_PROGRESS

@@ -45,7 +45,7 @@ from pathlib import Path
 from tools.fork import config, export, git, materialize, overlay, series, upstream
 from tools.fork.check import _hunk_positions, run_fork_tests
 from tools.fork.config import OVERLAY_ROOTS, Base, ForkConfig
-from tools.fork.errors import EXIT_CONFLICT, EXIT_FAILED, EXIT_IN_PROGRESS, BadInput, ForkError, LocalEdits
+from tools.fork.errors import EXIT_CONFLICT, EXIT_FAILED, BadInput, ForkError, InProgress, LocalEdits
 from tools.fork.materialize import ApplyFailed, base_tag
 from tools.fork.txn import StagedWrite, _signals_deferred
 
@@ -61,10 +61,6 @@ ALREADY_UPSTREAM = "already upstream (dropped)"
 RESOLVED = "conflict resolved"
 RESOLVED_EMPTY = "dropped: resolved to nothing"
 NOT_APPLIED = "not applied on this base"
-
-
-class InProgress(ForkError):
-    exit_code = EXIT_IN_PROGRESS
 
 
 def add_arguments(p) -> None:

@@ -561,3 +561,58 @@ def test_help_lists_the_exit_codes():
     for code in ("0  done", "3  rebase stopped at a conflict", "4  a rebase is already in progress", "5  the upstream"):
         assert code in p.stdout
     assert textwrap.dedent(rebase.HELP).splitlines()[0] in p.stdout
+
+
+# --- the series around a rebase: check --all-bases --test, export after a rebase ---------------------
+
+
+def test_check_all_bases_test_runs_the_fork_tests_on_each_base(tmp_path, monkeypatch):
+    from tools.fork import check
+
+    fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {UTILS: P2_CODE}))
+    fork.ok("rebase", "--onto", B)
+    calls = []
+    monkeypatch.setattr(
+        check, "run_fork_tests", lambda cfg, version: calls.append(version) or (1 if version == A else 0)
+    )
+    r = fork.cli("check", "--all-bases", "--test")
+    assert calls == [A, B]
+    assert r.rc == EXIT_FAILED and f"[{A}] the fork's tests failed (exit 1)" in r.out
+
+
+def test_export_after_a_rebase_keeps_variants_attached_to_renamed_patches(tmp_path, monkeypatch):
+    b = edited(UPSTREAM, {COPY: replace("        size = sizes[i]\n", "        size = int(sizes[i])\n")})
+    fork = make(tmp_path, monkeypatch, b)
+    fork.ok("rebase", "--onto", B)
+    variant = fork.variants()[f"{A}/{fork.names[0]}"]
+    # A maintainer inserts a new first patch in the pin's tree (build/fork), then exports.
+    tree, head = fork.tree, git.out(["rev-parse", "HEAD"], fork.tree)
+    git.run(["reset", "-q", "--hard", f"v{B}"], tree)
+    fork.commit(tree, "[Doc][Misc] Say what the fork is", {"README.md": const("# the fork\n")})
+    git.run(["cherry-pick", f"v{B}..{head}"], tree)
+    fork.ok("export")
+    names = fork.series()
+    assert [n[:5] for n in names] == ["0001-", "0002-", "0003-", "0004-"]
+    assert names[1].endswith(fork.names[0][5:])
+    assert fork.variants() == {f"{A}/{names[1]}": variant}  # the variant follows its patch's new name
+    assert list(config.load(fork.root).fork_only) == [names[3]]
+    fork.ok("check", "--all-bases")
+
+
+def test_export_keeps_a_variant_only_patch_in_the_series(tmp_path, monkeypatch):
+    fork = make(tmp_path, monkeypatch, edited(UPSTREAM, SERIES[1][1]))  # patch 2 already upstream in 1.1
+    fork.ok("rebase", "--onto", B)
+    listed = fork.series()
+    fork.commit(
+        fork.tree, "[Test][Misc] One more test", {"tests/ut/test_more.py": const("def test_more():\n    pass\n")}
+    )
+    fork.ok("export")
+    assert fork.series()[:3] == listed and fork.series()[3].startswith("0003-Test-Misc")
+    fork.ok("check", "--all-bases")
+
+
+def test_empty_series_just_moves_the_pin(tmp_path, monkeypatch):
+    fork = Fork(tmp_path, monkeypatch, {A: UPSTREAM, B: edited(UPSTREAM, {"README.md": const("x\n")})}, A, [A, B])
+    r = fork.ok("rebase", "--onto", B)
+    assert config.load(fork.root).pin.version == B and fork.series() == []
+    assert "#  patch" in r.out

@@ -723,13 +723,31 @@ def finish(cfg: ForkConfig, work: Path, st: State) -> int:
                 st.phase = "written"
                 st.save(work)
     except BaseException as exc:
+        if st.phase == "written":  # a signal held off during the write arrives right after it
+            raise _failure(exc, _written_but()) from None
         raise _failure(
             exc,
             "patches/, fork.toml and the overlay were not changed. Every patch is applied in build/rebase; fix the "
             "cause (e.g. free disk space), then `python -m tools.fork rebase --continue` writes the result "
             "(or `--abort`).",
         ) from None
-    return _after_write(cfg, work, st)
+    try:
+        _after_write(cfg, work, st)
+    except BaseException as exc:
+        raise _failure(exc, _written_but()) from None
+    if st.test:
+        rc = run_fork_tests(cfg, st.onto)
+        if rc:
+            print(f"fork rebase: the fork's tests FAILED on {st.onto} (exit {rc}); the rebase itself is written")
+            return EXIT_FAILED
+    return 0
+
+
+def _written_but() -> str:
+    return (
+        "The rebase IS written (patches/, fork.toml, the overlay); what was cut short is the tidying up "
+        "(build/fork, build/rebase): `python -m tools.fork rebase --continue` finishes it."
+    )
 
 
 def plan(cfg: ForkConfig, tree: Path, st: State) -> tuple[dict[str, bytes | None], list[str]]:
@@ -883,13 +901,13 @@ def _check_toml(text: str, st: State, wanted: list[str], fork_only: set[str]) ->
 # --- after the write --------------------------------------------------------------------------
 
 
-def _after_write(cfg: ForkConfig, work: Path, st: State) -> int:
+def _after_write(cfg: ForkConfig, work: Path, st: State) -> None:
     tree = work / "tree"
     new_cfg = config.load(cfg.root)
     if not tree.is_dir():  # cut short after the write, after the tree was installed
         shutil.rmtree(work, ignore_errors=True)
         print("fork rebase: done (the result was already written).")
-        return 0
+        return
     print()
     print(f"fork rebase: git range-diff {st.old_pin}..old-series {st.onto}..new-series")
     rd = git.run(
@@ -913,12 +931,6 @@ def _after_write(cfg: ForkConfig, work: Path, st: State) -> int:
     _install_tree(new_cfg, tree, st)
     shutil.rmtree(work, ignore_errors=True)
     print("fork rebase: done. Review with `git diff` and commit patches/, fork.toml and the overlay.")
-    if st.test:
-        rc = run_fork_tests(new_cfg, new_cfg.pin.version)
-        if rc:
-            print(f"fork rebase: the fork's tests FAILED on {st.onto} (exit {rc}); the rebase itself is written")
-            return EXIT_FAILED
-    return 0
 
 
 def print_table(st: State) -> None:

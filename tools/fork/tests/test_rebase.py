@@ -499,26 +499,34 @@ _DRIVER = """
 import sys, time
 from pathlib import Path
 from tools.fork import rebase
-marker = Path(sys.argv[1])
-target = sys.argv[2]
+marker, target, seconds = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 real = getattr(rebase, target)
 
-def paused(*args, **kwargs):
-    marker.write_text("here")
-    time.sleep(60)
-    return real(*args, **kwargs)
-
-setattr(rebase, target, paused)
+if isinstance(real, type):  # a class: pause in its commit()
+    class Paused(real):
+        def commit(self):
+            marker.write_text("here")
+            time.sleep(seconds)
+            return super().commit()
+    setattr(rebase, target, Paused)
+else:
+    def paused(*args, **kwargs):
+        marker.write_text("here")
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+    setattr(rebase, target, paused)
 from tools.fork.cli import main
-sys.exit(main(sys.argv[3:]))
+sys.exit(main(sys.argv[4:]))
 """
 
 
-def _interrupt(fork: Fork, tmp_path: Path, target: str, sig: int, *argv: str) -> subprocess.CompletedProcess:
+def _interrupt(
+    fork: Fork, tmp_path: Path, target: str, sig: int, *argv: str, pause: float = 60
+) -> subprocess.CompletedProcess:
     marker = tmp_path / "marker"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-c", _DRIVER, str(marker), target, "-C", str(fork.root), *argv],
+        [sys.executable, "-c", _DRIVER, str(marker), target, str(pause), "-C", str(fork.root), *argv],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -527,7 +535,7 @@ def _interrupt(fork: Fork, tmp_path: Path, target: str, sig: int, *argv: str) ->
         assert time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=90)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -551,6 +559,18 @@ def test_signal_before_the_final_write_keeps_the_work(tmp_path, monkeypatch):
     assert_unchanged(fork, before)
     fork.ok("rebase", "--continue")
     assert config.load(fork.root).pin.version == B
+
+
+def test_signal_during_the_final_write_is_held_until_it_is_complete(tmp_path, monkeypatch):
+    fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
+    p = _interrupt(fork, tmp_path, "StagedWrite", signal.SIGTERM, "rebase", "--onto", B, pause=1)
+    assert p.returncode == EXIT_FAILED, p.stderr
+    assert "interrupted" in p.stderr and "The rebase IS written" in p.stderr
+    assert config.load(fork.root).pin.version == B  # all of it: the write was not cut in half
+    assert staged_leftovers(fork.root) == []
+    r = fork.ok("rebase", "--continue")
+    assert "done" in r.out and not fork.work.exists()
+    assert_tree(fork, expected_tree(fork.releases[B]))
 
 
 def test_help_lists_the_exit_codes():
@@ -616,3 +636,39 @@ def test_empty_series_just_moves_the_pin(tmp_path, monkeypatch):
     r = fork.ok("rebase", "--onto", B)
     assert config.load(fork.root).pin.version == B and fork.series() == []
     assert "#  patch" in r.out
+
+
+def test_onto_a_known_base_from_an_upstream_checkout(tmp_path, monkeypatch):
+    b = edited(UPSTREAM, {"README.md": const("# 1.1\n")})
+    fork = make(tmp_path, monkeypatch, b)
+    checkout = tmp_path / "checkout"
+    for path, text in {**b, "PKG-INFO": f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {B}\n"}.items():
+        (checkout / path).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / path).write_text(text)
+    r = fork.ok("rebase", "--onto", B, "--checkout", str(checkout))
+    assert f"checkout at {B}" in r.out
+    assert config.load(fork.root).pin == config.Base(B, fork.sha[B])  # the pin stays the sdist's sha256
+    assert_tree(fork, expected_tree(b))
+
+
+def test_workflow_giving_an_older_base_its_own_version_of_a_patch(tmp_path, monkeypatch):
+    """The documented way to make a variant: rebase onto the older base, fold the base-specific
+    change into the patch there, export, rebase back: `rebase` stores the variant."""
+    code_upstream = edited(UPSTREAM, {UTILS: P2_CODE})  # the newer release already has patch 2's code
+    test_only = [SERIES[0], (SERIES[1][0], {SNAPSHOT_TEST: SERIES[1][1][SNAPSHOT_TEST]}), SERIES[2]]
+    fork = Fork(tmp_path, monkeypatch, {A: UPSTREAM, B: code_upstream}, B, [B, A])
+    fork.names = fork.make_series(test_only)
+    fork.ok("rebase", "--onto", A)
+    assert fork.variants() == {}  # test-only patch 2 is the same change on both
+    tree = fork.tree
+    second = git.out(["rev-list", "--reverse", f"v{A}..HEAD"], tree).split()[1]
+    (tree / UTILS).write_text(P2_CODE(UPSTREAM[UTILS]))
+    git.run(["commit", "-q", "-a", f"--fixup={second}"], tree)
+    git.run(["rebase", "-q", "-i", "--autosquash", f"v{A}"], tree, env={"GIT_SEQUENCE_EDITOR": "true"})
+    fork.ok("export")
+    assert set(series.file_sections(fork.patch(fork.names[1]))) == {SNAPSHOT_TEST, UTILS}
+    r = fork.ok("rebase", "--onto", B)
+    assert outcomes(fork, r.out)[fork.names[1]].startswith("partially upstream")
+    assert set(series.file_sections(fork.patch(fork.names[1]))) == {SNAPSHOT_TEST}
+    assert set(series.file_sections(fork.patch(fork.names[1], A))) == {SNAPSHOT_TEST, UTILS}
+    fork.ok("check", "--all-bases")

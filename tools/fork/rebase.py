@@ -910,8 +910,16 @@ def _after_write(cfg: ForkConfig, work: Path, st: State) -> None:
         return
     print()
     print(f"fork rebase: git range-diff {st.old_pin}..old-series {st.onto}..new-series")
+    # A high creation factor pairs a patch that lost most of its diff (partially upstream) with its
+    # old self ("!", with the difference) instead of showing it as dropped and added.
     rd = git.run(
-        ["range-diff", "--no-color", f"{base_tag(st.old_pin)}..{OLD_REF}", f"{base_tag(st.onto)}..HEAD"],
+        [
+            "range-diff",
+            "--no-color",
+            "--creation-factor=400",
+            f"{base_tag(st.old_pin)}..{OLD_REF}",
+            f"{base_tag(st.onto)}..HEAD",
+        ],
         tree,
         check=False,
     )

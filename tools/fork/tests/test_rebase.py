@@ -672,3 +672,28 @@ def test_workflow_giving_an_older_base_its_own_version_of_a_patch(tmp_path, monk
     assert set(series.file_sections(fork.patch(fork.names[1]))) == {SNAPSHOT_TEST}
     assert set(series.file_sections(fork.patch(fork.names[1], A))) == {SNAPSHOT_TEST, UTILS}
     fork.ok("check", "--all-bases")
+
+
+def test_first_use_from_the_cache_and_from_the_registry(tmp_path, monkeypatch):
+    from tools.fork import upstream
+    from tools.fork.tests.synthetic import make_sdist
+
+    fork = make(tmp_path, monkeypatch, None)
+    c_files = edited(UPSTREAM, {"README.md": const("# 1.2\n")})
+    _, sha_c = make_sdist(fork.cache / "sdists", C, c_files)  # in the cache, not in fork.toml
+    r = fork.ok("rebase", "--onto", C)
+    assert "TRUST ON FIRST USE" in r.err and "the cached sdist (not yet in fork.toml)" in r.err
+    assert config.load(fork.root).pin == config.Base(C, sha_c)
+
+    downloads = []
+
+    def fake_pip_download(cfg, base, dest):  # what pip leaves behind: one sdist in dest
+        downloads.append(base.version)
+        return make_sdist(dest, base.version, c_files)[0]
+
+    monkeypatch.setattr(upstream, "_pip_download", fake_pip_download)
+    r = fork.ok("rebase", "--onto", "1.3")
+    assert downloads == ["1.3"] and "downloaded from the package registry" in r.err
+    cached = fork.cache / "sdists" / "vllm_ascend-1.3.tar.gz"
+    assert config.load(fork.root).pin == config.Base("1.3", upstream.sha256_of(cached))
+    assert [b.version for b in config.load(fork.root).bases] == [A, C, "1.3"]

@@ -17,11 +17,13 @@ The sdists must be in the cache (~/.cache/vllm-ascend-fork/sdists); otherwise th
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from tools.fork import config, series
+from tools.fork.config import OVERLAY_ROOTS, REPO_ROOT
 from tools.fork.tests.synthetic import Fork, const, replace
 
 pytestmark = pytest.mark.slow
@@ -120,3 +122,29 @@ def test_snapshot_patch_across_0_23_0_and_post1_both_ways(real_fork):
     r = fork.ok("rebase", "--onto", POST1)
     assert _outcome(r.out, snapshot_patch) == f"applied cleanly ({POST1} variant)"
     assert fork.snapshot() == on_post1  # lossless round trip
+
+
+def test_the_repositorys_own_series_round_trips_through_every_base(tmp_path, monkeypatch):
+    """This repository's real series (patches/, fork.toml, the overlay), copied: onto each other base
+    in the matrix, `check --all-bases`, and back onto the pin, byte for byte."""
+    monkeypatch.delenv("FORK_CACHE", raising=False)
+    here = config.load(REPO_ROOT)
+    sdists = config.cache_dir() / "sdists"
+    for b in here.bases:
+        if not (sdists / f"vllm_ascend-{b.version}.tar.gz").exists():
+            pytest.skip(f"vllm-ascend {b.version} sdist is not in {sdists}")
+    fork = RealFork(tmp_path, here.pin.version)
+    shutil.copyfile(REPO_ROOT / "fork.toml", fork.root / "fork.toml")
+    shutil.rmtree(fork.root / "patches")
+    for rel in ("patches", *OVERLAY_ROOTS):
+        if (REPO_ROOT / rel).is_dir():
+            shutil.copytree(REPO_ROOT / rel, fork.root / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    original = fork.snapshot()
+    for other in [b.version for b in here.bases if b.version != here.pin.version]:
+        r = fork.ok("rebase", "--onto", other)
+        assert "CONFLICT" not in r.out
+        fork.ok("check", "--all-bases")
+        fork.ok("rebase", "--onto", here.pin.version)
+        assert {p.relative_to(fork.root): d for p, d in fork.snapshot().items()} == {
+            p.relative_to(fork.root): d for p, d in original.items()
+        }

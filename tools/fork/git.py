@@ -115,8 +115,8 @@ def is_clean(cwd: Path) -> bool:
 
 
 def dirty_paths(cwd: Path) -> list[str]:
-    lines = out(["status", "--porcelain", "--untracked-files=all"], cwd).splitlines()
-    return [line[3:] for line in lines]
+    lines = run(["status", "--porcelain", "--untracked-files=all"], cwd).stdout.splitlines()
+    return [line[3:] for line in lines if line.strip()]
 
 
 def am_in_progress(cwd: Path) -> bool:

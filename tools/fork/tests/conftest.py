@@ -124,7 +124,9 @@ class Fork:
     def protected(self) -> dict:
         from tools.fork.txn import snapshot
 
-        return snapshot([self.root / "patches", self.root / "fork.toml", self.root / "vllm_ascend", self.root / "tests"])
+        return snapshot(
+            [self.root / "patches", self.root / "fork.toml", self.root / "vllm_ascend", self.root / "tests"]
+        )
 
 
 def pr_message(title: str, what: str = "Fixes a thing.") -> str:

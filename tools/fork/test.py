@@ -331,14 +331,14 @@ def kernel_test_command(tenv: testenv.TestEnv, root: Path, tree: Path, files: li
     argv = [
         str(tenv.python), "-m", "pytest", "-q", "-rfE", "--noconftest", "-p", "tools.kernel_harness.plugin",
         "-p", "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={junit}", f"--rootdir={tree}",
-        *(str(tree / f) for f in files),
+        f"--kernel-tree={tree}", *(str(tree / f) for f in files),
     ]  # fmt: skip
     env = tenv.env(
         {
             "PYTHONPATH": str(tenv.triton_site),
             "TRITON_INTERPRET": "1",
             "CUDA_VISIBLE_DEVICES": "",
-            "KERNEL_HARNESS_TREE": str(tree),
+            "KERNEL_TREE": str(tree),
         }
     )
     return argv, env, root
@@ -346,8 +346,8 @@ def kernel_test_command(tenv: testenv.TestEnv, root: Path, tree: Path, files: li
 
 def ascend_compile_command(tenv: testenv.TestEnv, root: Path, tree: Path):
     """The triton-ascend front-end compile check (it sets up its own triton-ascend env)."""
-    argv = [sys.executable, str(root / ASCEND_COMPILE), "--tree", str(tree)]
-    return argv, testenv.run_env(None, {"KERNEL_HARNESS_TREE": str(tree)}), root
+    argv = [sys.executable, "-m", ASCEND_COMPILE[:-3].replace("/", "."), f"--kernel-tree={tree}"]
+    return argv, testenv.run_env(None, {"KERNEL_TREE": str(tree)}), root
 
 
 def tooling_test_command(tenv: testenv.TestEnv, root: Path, junit: Path):

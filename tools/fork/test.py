@@ -492,15 +492,27 @@ def run(args, cfg) -> int:
         _materialize(cfg, version, base_tree, [])
         base_run = run_suite(tenv, base_tree, version, "base", pytest_args)
         store_cached(base_run, cache)
-    else:
+    narrowed = pytest_args != ut_pytest_args(ignores, None, [])
+    full_cache = (
+        tenv.results_dir
+        / f"base-{version}-{base_cache_key(base.sha256, tenv, ut_pytest_args(ignores, None, []))[:16]}.xml"
+    )
+    if base_run is None and args.fork_only and not (narrowed and full_cache.exists()):
         print("fork test: [base] skipped (--fork-only, no cached base results): no base comparison")
     fork_run = run_suite(tenv, fork_tree, version, "fork", pytest_args)
+    if base_run is None and args.fork_only and narrowed:
+        full = load_cached(full_cache)
+        if full is not None:
+            # The cached full base run, restricted to the tests this narrowed selection ran.
+            full.results = {tid: r for tid, r in full.results.items() if tid in fork_run.results}
+            base_run = full
+            print(f"fork test: [base] cached full base run ({full_cache.name}), restricted to this selection")
 
     # d. compare
     added = fork_added_test_files(cfg.root)
     excluded_files = {f for f in added if any(f == p or f.startswith(p + "/") for p in ignores)}
     ut_added = [f for f in added if f.startswith(UT_DIR + "/")]
-    if args.keyword or any(not a.startswith("-") for a in pytest_args if a != UT_DIR):
+    if narrowed:
         # a narrowed selection need not include every added file
         ut_added = [f for f in ut_added if any(r.file == f for r in fork_run.results.values())]
     cmp = compare(base_run.results if base_run else None, fork_run.results, ut_added, excluded_files)

@@ -370,19 +370,26 @@ class Step:
         return self.status == "FAILED"
 
 
-def _run_step(name: str, argv, env, cwd, junit: Path | None) -> Step:
+def judge_step(name: str, returncode: int, c: Counter, seconds: float, *, junit: bool, allow_skips: bool) -> Step:
+    """A step passes on exit 0 and, when it writes junit, at least one passed test and (unless
+    `allow_skips`) no skipped or xfailed one: fork-added tests must run."""
+    detail = f"exit {returncode}, {seconds:.0f} s"
+    if returncode != 0:
+        return Step(name, "FAILED", detail, c)
+    if junit and c["passed"] == 0:
+        return Step(name, "FAILED", f"ran no test ({seconds:.0f} s)", c)
+    if junit and not allow_skips and (c["skipped"] or c["xfailed"]):
+        return Step(name, "FAILED", f"{c['skipped'] + c['xfailed']} test(s) skipped: fork-added tests must run", c)
+    return Step(name, "passed", detail, c)
+
+
+def _run_step(name: str, argv, env, cwd, junit: Path | None, *, allow_skips: bool = True) -> Step:
     print(f"\nfork test: [{name}] {' '.join(str(a) for a in argv[:6])} ...", flush=True)
     t0 = time.monotonic()
     proc = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
     dt = time.monotonic() - t0
     c = counts(parse_junit(junit.read_text())) if junit is not None and junit.exists() else Counter()
-    ok = proc.returncode == 0
-    if ok and junit is not None and c["passed"] == 0:
-        ok = False
-        detail = f"ran no test ({dt:.0f} s)"
-    else:
-        detail = f"exit {proc.returncode}, {dt:.0f} s"
-    return Step(name, "passed" if ok else "FAILED", detail, c)
+    return judge_step(name, proc.returncode, c, dt, junit=junit is not None, allow_skips=allow_skips)
 
 
 def _fmt_counts(c: Counter) -> str:
@@ -532,9 +539,8 @@ def run(args, cfg) -> int:
     else:
         junit = tenv.results_dir / "kernel.xml"
         junit.unlink(missing_ok=True)
-        steps.append(
-            _run_step("kernel op tests", *kernel_test_command(tenv, cfg.root, fork_tree, kernel_files, junit), junit)
-        )
+        command = kernel_test_command(tenv, cfg.root, fork_tree, kernel_files, junit)
+        steps.append(_run_step("kernel op tests", *command, junit, allow_skips=False))
     # f. triton-ascend front-end compile check
     if not (cfg.root / ASCEND_COMPILE).is_file():
         steps.append(Step("triton-ascend compile check", "SKIPPED", f"{ASCEND_COMPILE} is absent: NOT run"))

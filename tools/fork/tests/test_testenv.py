@@ -267,6 +267,30 @@ def test_steps_failing_fail_the_run_and_skips_do_not():
     assert fork_test.verdict(cmp, [skipped, failed]) == ["tooling tests failed"]
 
 
+def _c(**kw):
+    return fork_test.Counter({o: kw.get(o, 0) for o in fork_test.OUTCOMES})
+
+
+@pytest.mark.parametrize(
+    "rc, c, allow_skips, status",
+    [
+        (0, _c(passed=3), False, "passed"),
+        (1, _c(passed=2, failed=1), True, "FAILED"),
+        (0, _c(), True, "FAILED"),  # ran no test
+        (0, _c(passed=2, skipped=1), False, "FAILED"),  # a fork-added kernel test skipped
+        (0, _c(passed=2, xfailed=1), False, "FAILED"),
+        (0, _c(passed=2, skipped=1), True, "passed"),  # the tooling's own tests may skip
+    ],
+)
+def test_step_judgement(rc, c, allow_skips, status):
+    assert fork_test.judge_step("s", rc, c, 1.0, junit=True, allow_skips=allow_skips).status == status
+
+
+def test_step_without_junit_is_judged_by_exit_code():
+    assert fork_test.judge_step("s", 0, _c(), 1.0, junit=False, allow_skips=False).status == "passed"
+    assert fork_test.judge_step("s", 2, _c(), 1.0, junit=False, allow_skips=False).failed
+
+
 def test_fork_added_test_files_come_from_the_overlay(tmp_path):
     _touch(
         tmp_path,

@@ -248,7 +248,8 @@ def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | 
     lap("install")
 
     root_args = ["-C", str(cfg.root)]
-    out = _run(["sh", config.REPO_ROOT / SCRIPT, vpython, *root_args], what=str(SCRIPT), cwd=work)
+    script_env = _env({"FORK_REPO": str(cfg.root)})
+    out = _run(["sh", config.REPO_ROOT / SCRIPT, vpython], what=str(SCRIPT), cwd=work, env=script_env)
     if f"imports vllm_ascend from {pkg}" not in out:
         raise ForkError(f"deploy check: {SCRIPT} did not find the installed package {pkg}:\n{out}")
     lap("deploy+verify")
@@ -265,14 +266,14 @@ def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | 
         [*fork_cli, "--verify", pkg], what="deploy --verify after the revert (must fail)", cwd=config.REPO_ROOT, ok=(1,)
     )
     lap("verify+revert+compare")
-    pip_uninstall_leaves_nothing(python, vpython, site, [*root_args], exp)
+    pip_uninstall_leaves_nothing(python, vpython, site, script_env, exp)
     lap("deploy+pip uninstall")
     return Result(version, pkg, changed, counts, test_files, timings)
 
 
-def pip_uninstall_leaves_nothing(python: Path, vpython: Path, site: Path, root_args: list[str], exp) -> None:
+def pip_uninstall_leaves_nothing(python: Path, vpython: Path, site: Path, script_env: dict, exp) -> None:
     """Deploy again, compile the added modules, `pip uninstall`: nothing of vllm_ascend may remain."""
-    _run(["sh", config.REPO_ROOT / SCRIPT, vpython, *root_args], what=f"{SCRIPT} (again)", cwd=site)
+    _run(["sh", config.REPO_ROOT / SCRIPT, vpython], what=f"{SCRIPT} (again)", cwd=site, env=script_env)
     added = [str(site / ch.path) for ch in exp.changes if ch.status == "A" and ch.path.startswith("vllm_ascend/")]
     py_added = [f for f in added if f.endswith(".py")]
     if py_added:

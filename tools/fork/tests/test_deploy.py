@@ -13,19 +13,24 @@ import csv
 import hashlib
 import importlib.util
 import io
+import os
+import shutil
+import subprocess
+import sys
 import tarfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tools.fork import cli, git, txn
+from tools.fork import cli, config, git, txn
 from tools.fork.deploy import BACKUP_DIR, record_with
 from tools.fork.export import render
 from tools.fork.materialize import create_base
 from tools.fork.upstream import Source
 
 PIN, OLD = "9.9.9", "9.9.8"
+SCRIPT = config.REPO_ROOT / "docker" / "deploy-installed.sh"
 
 UPSTREAM = {
     "setup.py": "from setuptools import setup\nsetup()\n",
@@ -490,3 +495,46 @@ def test_checkout_conflict_changes_nothing(fork, tmp_path, capsys):
     assert git.is_clean(root)
     assert snapshot(root / "vllm_ascend", root / "tests", root / "docs") == before
     assert not (root / ".git" / "fork-deploy.json").exists()
+
+
+def test_editable_install_from_git_checkout_is_patched_in_place(fork, tmp_path, capsys):
+    """Upstream's images: `pip install -e` from a git checkout; the package dir is inside it."""
+    root = make_checkout(tmp_path, PIN, UPSTREAM)
+    (root / ".gitignore").write_text("/vllm_ascend/_version.py\n/vllm_ascend-fork-deploy/\n")
+    git.run(["add", ".gitignore"], root)
+    git.run(["commit", "-q", "-m", "ignore generated files"], root)
+    (root / "vllm_ascend/_version.py").write_text(f"__version__ = version = '{PIN}'\n")
+    head = git.out(["rev-parse", "HEAD"], root)
+    before = snapshot(root / "vllm_ascend", root / "tests")
+    code, out = deploy(fork, capsys, "--to", root / "vllm_ascend")
+    assert code == 0, out
+    assert "is a git checkout: files are patched in place" in out
+    assert git.out(["rev-parse", "HEAD"], root) == head, "no commits in package mode"
+    assert deploy(fork, capsys, "--verify", root / "vllm_ascend")[0] == 0
+    assert deploy(fork, capsys, "--revert", root / "vllm_ascend")[0] == 0
+    assert snapshot(root / "vllm_ascend", root / "tests") == before
+    assert git.is_clean(root)
+
+
+def test_deploy_installed_script(fork, tmp_path):
+    """docker/deploy-installed.sh (what the Dockerfile runs) on a venv whose vllm_ascend is a fake install."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], capture_output=True, text=True
+    ).stdout.strip()
+    site = make_site(tmp_path / "fake", PIN, UPSTREAM)
+    shutil.copytree(site, purelib, dirs_exist_ok=True)
+    before = snapshot(Path(purelib))
+    env = dict(os.environ, FORK_REPO=str(fork["root"]))
+    proc = subprocess.run(["sh", str(SCRIPT), str(python)], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"imports vllm_ascend from {Path(purelib).resolve() / 'vllm_ascend'}" in proc.stdout
+    assert "fork deploy --verify: OK" in proc.stdout
+    assert (Path(purelib) / "vllm_ascend/worker/state_copy.py").read_text() == NEW_MODULE
+    proc = subprocess.run(["sh", str(SCRIPT), str(python)], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and "already deployed" in proc.stderr, "a second run fails the image build"
+    code = cli.main(["-C", str(fork["root"]), "deploy", "--revert", str(Path(purelib) / "vllm_ascend")])
+    assert code == 0
+    assert snapshot(Path(purelib)) == before

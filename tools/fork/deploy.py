@@ -236,15 +236,20 @@ def _checkout_version(root: Path) -> tuple[str | None, str]:
     return (m.group(1), f"{PACKAGE}/_version.py") if m else (None, "")
 
 
-def base_version(cfg: ForkConfig, target: Target, given: str | None) -> str:
-    """The base in fork.toml that the target is; refused with the reason otherwise."""
+def base_version(cfg: ForkConfig, target: Target, given: str | None, *, fork_build_ok: bool = False) -> str:
+    """The base in fork.toml that the target is; refused with the reason otherwise.
+
+    The fork's own wheel (`<base>+fork...`) is refused for a deploy, accepted for --verify.
+    """
     found = target.version
     if found is None:
         if given is None:
             raise BadInput(f"cannot tell which vllm-ascend version {target.root} is; pass --base VERSION")
         found, target.version_from = given, "--base"
     public, _, local = found.partition("+")
-    if local.startswith("fork"):
+    if local.startswith("fork") and fork_build_ok:
+        local = ""
+    elif local.startswith("fork"):
         raise AlreadyDeployed(
             f"{target.root} is the fork's own build (vllm-ascend {found}, {target.version_from}): already patched"
         )
@@ -671,7 +676,7 @@ def run(args, cfg) -> int:
         return EXIT_OK
     if args.to:
         refuse_if_deployed(target)
-    version = base_version(cfg, target, args.base)
+    version = base_version(cfg, target, args.base, fork_build_ok=bool(args.verify))
     if args.verify:
         return EXIT_OK if verify(cfg, target, version, sdist=args.sdist) else EXIT_FAILED
     if target.kind == "checkout":

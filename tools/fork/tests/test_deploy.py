@@ -336,9 +336,18 @@ def test_refuses_when_fork_content_is_already_there(fork, tmp_path, capsys):
     assert "no deploy record" in out
 
 
-def test_refuses_the_forks_own_wheel_version(fork, tmp_path, capsys):
-    site = make_site(tmp_path, PIN, UPSTREAM, metadata_version=f"{PIN}+fork.3.gabcdef12")
+def test_the_forks_own_wheel_is_refused_and_verified(fork, tmp_path, capsys):
+    """An image that installed the fork's wheel (`build`): deploy refuses, --verify proves the content."""
+    fork_upstream = {p: t for p, t in {**UPSTREAM, **fork_files(UPSTREAM)}.items() if t is not None}
+    site = make_site(tmp_path, PIN, fork_upstream, metadata_version=f"{PIN}+fork.3.gabcdef12")
     refused(fork, capsys, site, "--to", site / "vllm_ascend", code=2, says="the fork's own build")
+    code, out = deploy(fork, capsys, "--verify", site / "vllm_ascend")
+    assert code == 0, out
+    assert "OK" in out and "the fork's own build" in out
+    # and a "+fork" version whose files are upstream's fails verification
+    site2 = make_site(tmp_path / "2", PIN, UPSTREAM, metadata_version=f"{PIN}+fork.3.gabcdef12")
+    code, out = deploy(fork, capsys, "--verify", site2 / "vllm_ascend")
+    assert code == 1 and "MISMATCH" in out
 
 
 def test_refuses_unsupported_version(fork, tmp_path, capsys):

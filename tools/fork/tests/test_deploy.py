@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import textwrap
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from tools.fork import cli, config, git, txn
 from tools.fork.deploy import BACKUP_DIR, record_with
 from tools.fork.export import render
 from tools.fork.materialize import create_base
+from tools.fork.tests.conftest import make_sdist, sha256
 from tools.fork.upstream import Source
 
 PIN, OLD = "9.9.9", "9.9.8"
@@ -94,19 +94,6 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
         (root / rel).write_text(text)
 
 
-def make_sdist(dest: Path, version: str, files: dict[str, str]) -> Path:
-    src = dest.parent / f"src-{version}"
-    write_tree(src, dict(files, **{"PKG-INFO": f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n"}))
-    sdist = dest / f"vllm_ascend-{version}.tar.gz"
-    with tarfile.open(sdist, "w:gz") as tar:
-        tar.add(src, arcname=f"vllm_ascend-{version}")
-    return sdist
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def build_series(tree: Path, version: str) -> list[tuple[str, bytes]]:
     for subject, edits in SERIES:
         for rel, edit in edits.items():
@@ -123,7 +110,7 @@ def build_series(tree: Path, version: str) -> list[tuple[str, bytes]]:
 
 
 @pytest.fixture(scope="module")
-def fork(tmp_path_factory) -> dict:
+def repo(tmp_path_factory) -> dict:
     """A fork repository: fork.toml (two bases), patches/ (+ a variant for the older base), sdists."""
     tmp = tmp_path_factory.mktemp("fork")
     cache = tmp / "cache" / "sdists"  # FORK_CACHE: the tooling finds the sdists here, never on the network
@@ -136,15 +123,15 @@ def fork(tmp_path_factory) -> dict:
         [upstream]
         dist = "vllm-ascend"
         version = "{PIN}"
-        sha256 = "{sha(sdists[PIN])}"
+        sha256 = "{sha256(sdists[PIN])}"
 
         [[bases]]
         version = "{PIN}"
-        sha256 = "{sha(sdists[PIN])}"
+        sha256 = "{sha256(sdists[PIN])}"
 
         [[bases]]
         version = "{OLD}"
-        sha256 = "{sha(sdists[OLD])}"
+        sha256 = "{sha256(sdists[OLD])}"
         """)
     )
     rendered = {}
@@ -164,8 +151,8 @@ def fork(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def _offline_cache(fork, monkeypatch):
-    monkeypatch.setenv("FORK_CACHE", str(fork["cache"]))
+def _offline_cache(repo, monkeypatch):
+    monkeypatch.setenv("FORK_CACHE", str(repo["cache"]))
 
 
 def record_hash(data: bytes) -> str:
@@ -202,8 +189,8 @@ def make_site(tmp: Path, version: str, upstream: dict[str, str], *, metadata_ver
     return site
 
 
-def deploy(fork, capsys, *args) -> tuple[int, str]:
-    code = cli.main(["-C", str(fork["root"]), "deploy", *map(str, args)])
+def deploy(repo, capsys, *args) -> tuple[int, str]:
+    code = cli.main(["-C", str(repo["root"]), "deploy", *map(str, args)])
     out = capsys.readouterr()
     return code, out.out + out.err
 
@@ -222,12 +209,12 @@ def record_paths(site: Path) -> set[str]:
 # installed package
 
 
-def test_deploy_verify_revert_installed_package(fork, tmp_path, capsys):
+def test_deploy_verify_revert_installed_package(repo, tmp_path, capsys):
     site = make_site(tmp_path, PIN, UPSTREAM)
     pkg = site / "vllm_ascend"
     before = snapshot(site)
 
-    code, out = deploy(fork, capsys, "--to", pkg)
+    code, out = deploy(repo, capsys, "--to", pkg)
     assert code == 0, out
     for rel, text in package_expectation(UPSTREAM).items():
         if text is None:
@@ -250,7 +237,7 @@ def test_deploy_verify_revert_installed_package(fork, tmp_path, capsys):
     new = (site / "vllm_ascend/worker/state_copy.py").read_bytes()
     assert rows["vllm_ascend/worker/state_copy.py"][1:] == [record_hash(new), str(len(new))]
 
-    code, out = deploy(fork, capsys, "--verify", pkg)
+    code, out = deploy(repo, capsys, "--verify", pkg)
     assert code == 0, out
     assert "MISMATCH" not in out
     for rel in package_expectation(UPSTREAM):
@@ -258,52 +245,52 @@ def test_deploy_verify_revert_installed_package(fork, tmp_path, capsys):
     assert "tests/ut" not in out
     assert "deployed in place" in out
 
-    code, out = deploy(fork, capsys, "--revert", pkg)
+    code, out = deploy(repo, capsys, "--revert", pkg)
     assert code == 0, out
     assert snapshot(site) == before, "revert must restore the package and its dist-info byte for byte"
     assert not (site / BACKUP_DIR).exists()
     assert not (site / "vllm_ascend/worker").exists(), "a directory the deploy created is removed again"
 
-    code, out = deploy(fork, capsys, "--verify", pkg)
+    code, out = deploy(repo, capsys, "--verify", pkg)
     assert code == 1
     assert "MISMATCH" in out and "FAILED" in out
 
 
-def test_site_packages_directory_is_accepted(fork, tmp_path, capsys):
+def test_site_packages_directory_is_accepted(repo, tmp_path, capsys):
     site = make_site(tmp_path, PIN, UPSTREAM)
     before = snapshot(site)
-    assert deploy(fork, capsys, "--to", site)[0] == 0
-    assert deploy(fork, capsys, "--verify", site)[0] == 0
-    assert deploy(fork, capsys, "--revert", site)[0] == 0
+    assert deploy(repo, capsys, "--to", site)[0] == 0
+    assert deploy(repo, capsys, "--verify", site)[0] == 0
+    assert deploy(repo, capsys, "--revert", site)[0] == 0
     assert snapshot(site) == before
 
 
-def test_older_base_gets_its_variant(fork, tmp_path, capsys):
+def test_older_base_gets_its_variant(repo, tmp_path, capsys):
     site = make_site(tmp_path, OLD, UPSTREAM_OLD)
     before = snapshot(site)
-    code, out = deploy(fork, capsys, "--to", site / "vllm_ascend")
+    code, out = deploy(repo, capsys, "--to", site / "vllm_ascend")
     assert code == 0, out
     assert (site / "vllm_ascend/ops/copy.py").read_text() == package_expectation(UPSTREAM_OLD)[
         "vllm_ascend/ops/copy.py"
     ]
     assert "dst[...] = src.clone()" in (site / "vllm_ascend/ops/copy.py").read_text()
-    assert deploy(fork, capsys, "--verify", site / "vllm_ascend")[0] == 0
-    assert deploy(fork, capsys, "--revert", site / "vllm_ascend")[0] == 0
+    assert deploy(repo, capsys, "--verify", site / "vllm_ascend")[0] == 0
+    assert deploy(repo, capsys, "--revert", site / "vllm_ascend")[0] == 0
     assert snapshot(site) == before
 
 
-def test_editable_source_tree_without_dist_info(fork, tmp_path, capsys):
+def test_editable_source_tree_without_dist_info(repo, tmp_path, capsys):
     """The package dir of an editable install from a source tree (no .git): version from _version.py."""
     tree = tmp_path / "vllm-ascend"
     write_tree(tree, dict(UPSTREAM, **{"vllm_ascend/_version.py": f"__version__ = version = '{PIN}'\n"}))
     before = snapshot(tree)
-    code, out = deploy(fork, capsys, "--to", tree / "vllm_ascend")
+    code, out = deploy(repo, capsys, "--to", tree / "vllm_ascend")
     assert code == 0, out
     assert "RECORD is not updated" in out
     assert (tree / "vllm_ascend/envs.py").read_text() == package_expectation(UPSTREAM)["vllm_ascend/envs.py"]
     assert (tree / "tests/ut/test_envs.py").read_text() == UPSTREAM["tests/ut/test_envs.py"], "tests are skipped"
-    assert deploy(fork, capsys, "--verify", tree / "vllm_ascend")[0] == 0
-    assert deploy(fork, capsys, "--revert", tree / "vllm_ascend")[0] == 0
+    assert deploy(repo, capsys, "--verify", tree / "vllm_ascend")[0] == 0
+    assert deploy(repo, capsys, "--revert", tree / "vllm_ascend")[0] == 0
     assert snapshot(tree) == before
 
 
@@ -311,77 +298,77 @@ def test_editable_source_tree_without_dist_info(fork, tmp_path, capsys):
 # refusals: a clear message, a distinct exit code, nothing changed
 
 
-def refused(fork, capsys, site: Path, *args, code: int, says: str) -> str:
+def refused(repo, capsys, site: Path, *args, code: int, says: str) -> str:
     before = snapshot(site)
-    got, out = deploy(fork, capsys, *args)
+    got, out = deploy(repo, capsys, *args)
     assert got == code, out
     assert says in out, out
     assert snapshot(site) == before, "a refusal must change nothing"
     return out
 
 
-def test_refuses_second_deploy(fork, tmp_path, capsys):
+def test_refuses_second_deploy(repo, tmp_path, capsys):
     site = make_site(tmp_path, PIN, UPSTREAM)
-    assert deploy(fork, capsys, "--to", site / "vllm_ascend")[0] == 0
-    refused(fork, capsys, site, "--to", site / "vllm_ascend", code=2, says="already deployed")
+    assert deploy(repo, capsys, "--to", site / "vllm_ascend")[0] == 0
+    refused(repo, capsys, site, "--to", site / "vllm_ascend", code=2, says="already deployed")
 
 
-def test_refuses_when_fork_content_is_already_there(fork, tmp_path, capsys):
+def test_refuses_when_fork_content_is_already_there(repo, tmp_path, capsys):
     """E.g. an image built from the fork's wheel: nothing to deploy, but --verify proves it."""
     fork_upstream = {p: t for p, t in {**UPSTREAM, **fork_files(UPSTREAM)}.items() if t is not None}
     site = make_site(tmp_path, PIN, fork_upstream)
-    refused(fork, capsys, site, "--to", site / "vllm_ascend", code=2, says="already has the fork's content")
-    code, out = deploy(fork, capsys, "--verify", site / "vllm_ascend")
+    refused(repo, capsys, site, "--to", site / "vllm_ascend", code=2, says="already has the fork's content")
+    code, out = deploy(repo, capsys, "--verify", site / "vllm_ascend")
     assert code == 0, out
     assert "no deploy record" in out
 
 
-def test_the_forks_own_wheel_is_refused_and_verified(fork, tmp_path, capsys):
+def test_the_forks_own_wheel_is_refused_and_verified(repo, tmp_path, capsys):
     """An image that installed the fork's wheel (`build`): deploy refuses, --verify proves the content."""
     fork_upstream = {p: t for p, t in {**UPSTREAM, **fork_files(UPSTREAM)}.items() if t is not None}
     site = make_site(tmp_path, PIN, fork_upstream, metadata_version=f"{PIN}+fork.3.gabcdef12")
-    refused(fork, capsys, site, "--to", site / "vllm_ascend", code=2, says="the fork's own build")
-    code, out = deploy(fork, capsys, "--verify", site / "vllm_ascend")
+    refused(repo, capsys, site, "--to", site / "vllm_ascend", code=2, says="the fork's own build")
+    code, out = deploy(repo, capsys, "--verify", site / "vllm_ascend")
     assert code == 0, out
     assert "OK" in out and "the fork's own build" in out
     # and a "+fork" version whose files are upstream's fails verification
     site2 = make_site(tmp_path / "2", PIN, UPSTREAM, metadata_version=f"{PIN}+fork.3.gabcdef12")
-    code, out = deploy(fork, capsys, "--verify", site2 / "vllm_ascend")
+    code, out = deploy(repo, capsys, "--verify", site2 / "vllm_ascend")
     assert code == 1 and "MISMATCH" in out
 
 
-def test_refuses_unsupported_version(fork, tmp_path, capsys):
+def test_refuses_unsupported_version(repo, tmp_path, capsys):
     site = make_site(tmp_path, "1.0.0", UPSTREAM)
-    out = refused(fork, capsys, site, "--to", site / "vllm_ascend", code=2, says="1.0.0 is not a base")
+    out = refused(repo, capsys, site, "--to", site / "vllm_ascend", code=2, says="1.0.0 is not a base")
     assert PIN in out and OLD in out, "the message lists the supported bases"
 
 
-def test_refuses_modified_file(fork, tmp_path, capsys):
+def test_refuses_modified_file(repo, tmp_path, capsys):
     site = make_site(tmp_path, PIN, UPSTREAM)
     with (site / "vllm_ascend/ops/copy.py").open("a") as f:
         f.write("# local hotfix\n")
     out = refused(
-        fork, capsys, site, "--to", site / "vllm_ascend", code=6, says="vllm_ascend/ops/copy.py: differs from upstream"
+        repo, capsys, site, "--to", site / "vllm_ascend", code=6, says="vllm_ascend/ops/copy.py: differs from upstream"
     )
     assert "envs.py" not in out, "only the differing file is named"
     assert not (site / BACKUP_DIR).exists()
 
 
-def test_refuses_missing_file_and_file_the_series_creates(fork, tmp_path, capsys):
+def test_refuses_missing_file_and_file_the_series_creates(repo, tmp_path, capsys):
     site = make_site(tmp_path, PIN, UPSTREAM)
     (site / "vllm_ascend/old.py").unlink()
     write_tree(site, {"vllm_ascend/worker/state_copy.py": "mine\n"})
-    out = refused(fork, capsys, site, "--to", site / "vllm_ascend", code=6, says="vllm_ascend/old.py: missing")
+    out = refused(repo, capsys, site, "--to", site / "vllm_ascend", code=6, says="vllm_ascend/old.py: missing")
     assert "vllm_ascend/worker/state_copy.py: exists, but upstream has no such file" in out
 
 
-def test_refuses_revert_without_backup(fork, tmp_path, capsys):
+def test_refuses_revert_without_backup(repo, tmp_path, capsys):
     site = make_site(tmp_path, PIN, UPSTREAM)
-    refused(fork, capsys, site, "--revert", site / "vllm_ascend", code=2, says="nothing to revert")
+    refused(repo, capsys, site, "--revert", site / "vllm_ascend", code=2, says="nothing to revert")
 
 
 @pytest.mark.parametrize("kind", ["missing", "file", "empty dir", "other package"])
-def test_refuses_what_is_not_a_package(fork, tmp_path, capsys, kind):
+def test_refuses_what_is_not_a_package(repo, tmp_path, capsys, kind):
     site = make_site(tmp_path, PIN, UPSTREAM)
     path = {
         "missing": tmp_path / "nope",
@@ -392,21 +379,21 @@ def test_refuses_what_is_not_a_package(fork, tmp_path, capsys, kind):
     if kind == "empty dir":
         path.mkdir()
     for verb in ("--to", "--verify", "--revert"):
-        refused(fork, capsys, site, verb, path, code=2, says=str(path))
+        refused(repo, capsys, site, verb, path, code=2, says=str(path))
 
 
-def test_revert_refuses_edits_made_after_deploy_unless_forced(fork, tmp_path, capsys):
+def test_revert_refuses_edits_made_after_deploy_unless_forced(repo, tmp_path, capsys):
     site = make_site(tmp_path, PIN, UPSTREAM)
     before = snapshot(site)
-    assert deploy(fork, capsys, "--to", site / "vllm_ascend")[0] == 0
+    assert deploy(repo, capsys, "--to", site / "vllm_ascend")[0] == 0
     with (site / "vllm_ascend/envs.py").open("a") as f:
         f.write("# edited after the deploy\n")
-    refused(fork, capsys, site, "--revert", site / "vllm_ascend", code=6, says="vllm_ascend/envs.py")
-    assert deploy(fork, capsys, "--force", "--revert", site / "vllm_ascend")[0] == 0
+    refused(repo, capsys, site, "--revert", site / "vllm_ascend", code=6, says="vllm_ascend/envs.py")
+    assert deploy(repo, capsys, "--force", "--revert", site / "vllm_ascend")[0] == 0
     assert snapshot(site) == before
 
 
-def test_failed_write_leaves_package_and_no_backup(fork, tmp_path, capsys, monkeypatch):
+def test_failed_write_leaves_package_and_no_backup(repo, tmp_path, capsys, monkeypatch):
     """The package changes are one StagedWrite; if it fails before its renames, the backup goes too."""
     site = make_site(tmp_path, PIN, UPSTREAM)
     before = snapshot(site)
@@ -421,7 +408,7 @@ def test_failed_write_leaves_package_and_no_backup(fork, tmp_path, capsys, monke
 
     monkeypatch.setattr(txn.StagedWrite, "commit", commit)
     with pytest.raises(OSError):
-        cli.main(["-C", str(fork["root"]), "deploy", "--to", str(site / "vllm_ascend")])
+        cli.main(["-C", str(repo["root"]), "deploy", "--to", str(site / "vllm_ascend")])
     assert snapshot(site) == before
     assert not (site / BACKUP_DIR).exists()
 
@@ -453,25 +440,25 @@ def make_checkout(tmp: Path, version: str, files: dict[str, str]) -> Path:
     return root
 
 
-def test_checkout_deploy_verify_revert(fork, tmp_path, capsys):
+def test_checkout_deploy_verify_revert(repo, tmp_path, capsys):
     root = make_checkout(tmp_path, PIN, UPSTREAM)
     pre = git.out(["rev-parse", "HEAD"], root)
     before = snapshot(root / "vllm_ascend", root / "tests", root / "docs")
 
-    code, out = deploy(fork, capsys, "--to", root)
+    code, out = deploy(repo, capsys, "--to", root)
     assert code == 0, out
     subjects = git.out(["log", "--format=%s", f"{pre}..HEAD"], root).splitlines()
     assert subjects == [s for s, _ in reversed(SERIES)]
     for rel, text in fork_files(UPSTREAM).items():  # tests and docs too: it is a checkout
         assert (root / rel).read_text() == text if text is not None else not (root / rel).exists(), rel
     assert git.is_clean(root)
-    code, out = deploy(fork, capsys, "--verify", root)
+    code, out = deploy(repo, capsys, "--verify", root)
     assert code == 0, out
     assert "tests/ut/worker/test_state_copy.py" in out
 
-    refused(fork, capsys, root / "vllm_ascend", "--to", root, code=2, says="already deployed")
+    refused(repo, capsys, root / "vllm_ascend", "--to", root, code=2, says="already deployed")
 
-    code, out = deploy(fork, capsys, "--revert", root)
+    code, out = deploy(repo, capsys, "--revert", root)
     assert code == 0, out
     assert git.out(["rev-parse", "HEAD"], root) == pre
     assert git.out(["symbolic-ref", "--short", "HEAD"], root) == "main"
@@ -479,24 +466,24 @@ def test_checkout_deploy_verify_revert(fork, tmp_path, capsys):
     assert not (root / ".git" / "fork-deploy.json").exists()
 
 
-def test_checkout_refusals(fork, tmp_path, capsys):
+def test_checkout_refusals(repo, tmp_path, capsys):
     root = make_checkout(tmp_path, PIN, UPSTREAM)
-    refused(fork, capsys, root, "--revert", root, code=2, says="nothing to revert")
+    refused(repo, capsys, root, "--revert", root, code=2, says="nothing to revert")
     (root / "vllm_ascend/envs.py").write_text("dirty\n")
-    refused(fork, capsys, root, "--to", root, code=6, says="uncommitted changes")
+    refused(repo, capsys, root, "--to", root, code=6, says="uncommitted changes")
     git.run(["checkout", "--", "."], root)
     git.run(["tag", "-d", f"v{PIN}"], root)
-    refused(fork, capsys, root, "--to", root, code=2, says="pass --base VERSION")
+    refused(repo, capsys, root, "--to", root, code=2, says="pass --base VERSION")
 
 
-def test_checkout_conflict_changes_nothing(fork, tmp_path, capsys):
+def test_checkout_conflict_changes_nothing(repo, tmp_path, capsys):
     root = make_checkout(tmp_path, PIN, UPSTREAM)
     (root / "vllm_ascend/ops/copy.py").write_text("def copy(src, dst):\n    dst.copy_(src)\n")
     git.run(["commit", "-q", "-am", "local change"], root)
     git.run(["tag", "-f", f"v{PIN}"], root)
     head = git.out(["rev-parse", "HEAD"], root)
     before = snapshot(root / "vllm_ascend", root / "tests", root / "docs")
-    code, out = deploy(fork, capsys, "--to", root)
+    code, out = deploy(repo, capsys, "--to", root)
     assert code == 1, out
     assert "patch 0002-" in out and "does not apply" in out, "the failing patch is named"
     assert git.out(["rev-parse", "HEAD"], root) == head, "the first patch, which applied, is rolled back too"
@@ -506,7 +493,7 @@ def test_checkout_conflict_changes_nothing(fork, tmp_path, capsys):
     assert not (root / ".git" / "fork-deploy.json").exists()
 
 
-def test_editable_install_from_git_checkout_is_patched_in_place(fork, tmp_path, capsys):
+def test_editable_install_from_git_checkout_is_patched_in_place(repo, tmp_path, capsys):
     """Upstream's images: `pip install -e` from a git checkout; the package dir is inside it."""
     root = make_checkout(tmp_path, PIN, UPSTREAM)
     (root / ".gitignore").write_text("/vllm_ascend/_version.py\n/vllm_ascend-fork-deploy/\n")
@@ -515,17 +502,17 @@ def test_editable_install_from_git_checkout_is_patched_in_place(fork, tmp_path, 
     (root / "vllm_ascend/_version.py").write_text(f"__version__ = version = '{PIN}'\n")
     head = git.out(["rev-parse", "HEAD"], root)
     before = snapshot(root / "vllm_ascend", root / "tests")
-    code, out = deploy(fork, capsys, "--to", root / "vllm_ascend")
+    code, out = deploy(repo, capsys, "--to", root / "vllm_ascend")
     assert code == 0, out
     assert "is a git checkout: files are patched in place" in out
     assert git.out(["rev-parse", "HEAD"], root) == head, "no commits in package mode"
-    assert deploy(fork, capsys, "--verify", root / "vllm_ascend")[0] == 0
-    assert deploy(fork, capsys, "--revert", root / "vllm_ascend")[0] == 0
+    assert deploy(repo, capsys, "--verify", root / "vllm_ascend")[0] == 0
+    assert deploy(repo, capsys, "--revert", root / "vllm_ascend")[0] == 0
     assert snapshot(root / "vllm_ascend", root / "tests") == before
     assert git.is_clean(root)
 
 
-def test_deploy_installed_script(fork, tmp_path):
+def test_deploy_installed_script(repo, tmp_path):
     """docker/deploy-installed.sh (what the Dockerfile runs) on a venv whose vllm_ascend is a fake install."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -536,7 +523,7 @@ def test_deploy_installed_script(fork, tmp_path):
     site = make_site(tmp_path / "fake", PIN, UPSTREAM)
     shutil.copytree(site, purelib, dirs_exist_ok=True)
     before = snapshot(Path(purelib))
-    env = dict(os.environ, FORK_REPO=str(fork["root"]))
+    env = dict(os.environ, FORK_REPO=str(repo["root"]))
     proc = subprocess.run(["sh", str(SCRIPT), str(python)], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"imports vllm_ascend from {Path(purelib).resolve() / 'vllm_ascend'}" in proc.stdout
@@ -544,6 +531,6 @@ def test_deploy_installed_script(fork, tmp_path):
     assert (Path(purelib) / "vllm_ascend/worker/state_copy.py").read_text() == NEW_MODULE
     proc = subprocess.run(["sh", str(SCRIPT), str(python)], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and "already deployed" in proc.stderr, "a second run fails the image build"
-    code = cli.main(["-C", str(fork["root"]), "deploy", "--revert", str(Path(purelib) / "vllm_ascend")])
+    code = cli.main(["-C", str(repo["root"]), "deploy", "--revert", str(Path(purelib) / "vllm_ascend")])
     assert code == 0
     assert snapshot(Path(purelib)) == before

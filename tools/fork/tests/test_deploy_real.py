@@ -1,6 +1,7 @@
 """`deploy` against a REAL pip-installed vllm-ascend (tools/fork/deploy_check.py), marked `real`.
 
-Needs the CPU test environment (build/testenv/venv, or FORK_DEPLOY_PYTHON); skipped without it.
+Needs the CPU test environment (build/testenv/venv, or FORK_DEPLOY_PYTHON); skipped without it,
+and unless selected with `-m real` (or FORK_DEPLOY_PYTHON is set).
   - the stand-in series: a small series made here on the real pinned base (an upstream file
     changed, a module added, a CPU test added, a docs file changed), so the mechanism is tested
     whatever state patches/ is in;
@@ -10,6 +11,7 @@ Run: `python -m pytest -m real tools/fork/tests/test_deploy_real.py` (about a mi
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -24,6 +26,14 @@ pytestmark = pytest.mark.real
 REAL = config.load()
 PYTHON = deploy_check.default_python(REAL)
 needs_env = pytest.mark.skipif(not PYTHON.exists(), reason=f"no test environment Python at {PYTHON}")
+
+
+@pytest.fixture(autouse=True)
+def _only_when_asked(request):
+    """A minute each: run with `-m real` (or FORK_DEPLOY_PYTHON set); the `test` verb calls deploy_check itself."""
+    if "real" not in (request.config.getoption("markexpr") or "") and not os.environ.get("FORK_DEPLOY_PYTHON"):
+        pytest.skip("real deploy test: select it with `-m real`")
+
 
 STANDIN_MODULE = '''\
 """Stand-in of a module the fork adds (tools/fork/tests/test_deploy_real.py)."""

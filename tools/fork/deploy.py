@@ -29,7 +29,6 @@ import io
 import json
 import re
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -405,13 +404,6 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
     backup_files = [f"{BACKUP_DIR}/{MANIFEST}"] + [
         f"{BACKUP_DIR}/original/{ch.path}" for ch in changing if ch.base is not None
     ]
-    # Bytecode of the files the fork adds, as pip lists it for the files it installs: without these
-    # rows `pip uninstall` would leave the new modules' __pycache__ entries (and their directories).
-    bytecode = [
-        f"{Path(ch.path).parent.as_posix()}/__pycache__/{Path(ch.path).stem}.{sys.implementation.cache_tag}.pyc"
-        for ch in changing
-        if ch.status == "A" and ch.path.endswith(".py") and sys.implementation.cache_tag
-    ]
     if target.dist_info is not None:
         rec_path = target.dist_info / "RECORD"
         rec_rel = rec_path.relative_to(target.root).as_posix()
@@ -419,7 +411,7 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
         new = record_with(
             original,
             {ch.path: result[ch.path] for ch in changing},
-            bytecode + backup_files + [f"{BACKUP_DIR}/original/{rec_rel}"],
+            backup_files + [f"{BACKUP_DIR}/original/{rec_rel}"],
         )
         backup.write(target.backup / "original" / rec_rel, original)
         changes.write(rec_path, new)

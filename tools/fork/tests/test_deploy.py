@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import csv
 import hashlib
-import importlib.util
 import io
 import os
 import shutil
@@ -230,8 +229,6 @@ def test_deploy_verify_revert_installed_package(repo, tmp_path, capsys):
     on_disk = {p.relative_to(site).as_posix() for p in snapshot(pkg, site / BACKUP_DIR)}
     assert on_disk <= listed, on_disk - listed
     assert "vllm_ascend/old.py" not in listed
-    pyc = importlib.util.cache_from_source(str(site / "vllm_ascend/worker/state_copy.py"))
-    assert Path(pyc).relative_to(site).as_posix() in listed, "bytecode of an added module is listed, as pip does"
     (dist,) = site.glob("vllm_ascend-*.dist-info")
     rows = {r[0]: r for r in csv.reader(io.StringIO((dist / "RECORD").read_text())) if r}
     new = (site / "vllm_ascend/worker/state_copy.py").read_bytes()

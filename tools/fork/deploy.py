@@ -431,7 +431,10 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
     try:
         changes.commit()
     except BaseException:
-        if all(s == "upstream" for s in _states(target, exp).values()):
+        untouched = all(s == "upstream" for s in _states(target, exp).values()) and (
+            record is None or sha256(_read(target.root / record["path"])) == record["original_sha256"]
+        )
+        if untouched:  # failed while staging (e.g. disk full): nothing to undo but the backup
             shutil.rmtree(target.backup, ignore_errors=True)
             raise
         raise ForkError(

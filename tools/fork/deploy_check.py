@@ -186,7 +186,7 @@ def run_fork_tests(vpython: Path, pkg: Path, tree: Path, files: list[str], work:
         out = _run(cmd, what="the fork's tests against the installed package", cwd=root, env=env, ok=(0, 1))
         counts = junit_counts(junit)
         where = json.loads(report.read_text()) if report.exists() else None
-    if counts.get("failed") or counts.get("errors") or not counts.get("passed"):
+    if counts.get("failed") or counts.get("error") or not counts.get("passed"):
         tail = "\n    ".join(out.strip().splitlines()[-40:])
         raise ForkError(f"deploy check: the fork's tests failed against the installed package ({counts}):\n    {tail}")
     if counts.get("skipped"):
@@ -199,13 +199,13 @@ def run_fork_tests(vpython: Path, pkg: Path, tree: Path, files: list[str], work:
 
 
 def junit_counts(path: Path) -> dict[str, int]:
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     for case in ET.parse(path).getroot().iter("testcase"):
         kinds = {child.tag for child in case}
         if "failure" in kinds:
             counts["failed"] += 1
         elif "error" in kinds:
-            counts["errors"] += 1
+            counts["error"] += 1
         elif "skipped" in kinds:
             counts["skipped"] += 1
         else:

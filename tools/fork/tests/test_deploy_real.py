@@ -107,7 +107,7 @@ def test_standin_series_on_real_installed_package(tmp_path):
     print(result.summary())
     assert result.changed == ["M vllm_ascend/envs.py", "A vllm_ascend/worker/deploy_standin.py"]
     assert result.test_files == ["tests/ut/worker/test_deploy_standin.py"]
-    assert result.tests == {"passed": 2, "failed": 0, "errors": 0, "skipped": 0}
+    assert result.tests == {"passed": 2, "failed": 0, "error": 0, "skipped": 0}
 
 
 @needs_env

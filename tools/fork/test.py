@@ -554,6 +554,19 @@ def run(args, cfg) -> int:
     else:
         steps.append(Step("tooling tests", "SKIPPED", f"{TOOLING_TESTS} is absent"))
 
+    # h. deploy into a pip-installed (non-editable) vllm-ascend, test it there, verify, revert
+    if not args.fork_only:
+        from tools.fork import deploy_check
+
+        t0 = time.monotonic()
+        try:
+            res = deploy_check.check(cfg, tenv.python, version=version)
+            steps.append(Step("deploy check", "passed", f"({time.monotonic() - t0:.0f} s)", Counter(res.tests)))
+        except BadInput as exc:  # the series changes nothing under vllm_ascend/
+            steps.append(Step("deploy check", "none", str(exc)))
+        except ForkError as exc:
+            steps.append(Step("deploy check", "FAILED", str(exc)))
+
     # summary
     cf = counts(fork_run.results)
     problems = verdict(cmp, steps)

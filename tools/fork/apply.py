@@ -18,15 +18,21 @@ HELP = __doc__
 def add_arguments(p) -> None:
     p.add_argument("--base", metavar="VERSION", help="a base listed in fork.toml (default: the pin)")
     p.add_argument("--into", metavar="DIR", type=Path, help="where to materialize (default: build/fork[-VERSION])")
-    p.add_argument("--base-only", action="store_true", help="materialize the unpatched base (default DIR build/base-VERSION)")
+    p.add_argument(
+        "--base-only", action="store_true", help="materialize the unpatched base (default DIR build/base-VERSION)"
+    )
     add_source_arguments(p)
     p.add_argument("--force", action="store_true", help="discard local edits in DIR")
 
 
 def add_source_arguments(p) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--sdist", type=Path, metavar="PATH", help="use this local sdist (sha256-checked) instead of the registry")
-    src.add_argument("--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist")
+    src.add_argument(
+        "--sdist", type=Path, metavar="PATH", help="use this local sdist (sha256-checked) instead of the registry"
+    )
+    src.add_argument(
+        "--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist"
+    )
 
 
 def run(args, cfg) -> int:

@@ -46,7 +46,7 @@ def run(args, cfg) -> int:
     stamp_file = dist / f".{version}.stamp"
     existing = sorted(dist.glob(f"vllm_ascend-{version.replace('-', '_')}-*.whl"))
     if existing and stamp_file.exists() and stamp_file.read_text() == stamp:
-        print(f"fork build: {existing[-1].relative_to(cfg.root) if dist.is_relative_to(cfg.root) else existing[-1]}: up to date")
+        print(f"fork build: {existing[-1]}: up to date")
         return 0
     isolation = []
     if args.no_build_isolation:

@@ -93,7 +93,9 @@ def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) 
             problems += [f"patch {p.name}: applies with an offset, not exactly: {m}" for m in moved]
             continue
         old_lines, new_lines = p.data.splitlines(), new.splitlines()
-        line = next((i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b), min(len(old_lines), len(new_lines)))
+        line = next(
+            (i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b), min(len(old_lines), len(new_lines))
+        )
         problems.append(
             f"patch {p.name}: re-export differs at line {line + 1} "
             f"(file: {old_lines[line][:80] if line < len(old_lines) else b'<end>'!r}, "
@@ -124,7 +126,9 @@ def overlay_problems(cfg: ForkConfig, tree: Path, version: str, patches: list[Pa
         added = {path for path in added if path in creator or path in present}
         present = {path for path in present if creator.get(path) in applied_here}
     for path in sorted(added - present):
-        problems.append(f"{path}: added by patch {name_of[own.created[path][0]]} but missing from the overlay; run export")
+        problems.append(
+            f"{path}: added by patch {name_of[own.created[path][0]]} but missing from the overlay; run export"
+        )
     for path in sorted(present - added):
         problems.append(f"{path}: in the overlay but no patch adds it (upstream has it, or it was never exported)")
     for path in sorted(added & present):
@@ -174,7 +178,9 @@ def check_base(cfg: ForkConfig, version: str, args) -> list[str]:
     try:
         materialize(
             tree.resolve(),
-            lambda: upstream.resolve(cfg, version, sdist=getattr(args, "sdist", None), checkout=getattr(args, "checkout", None)),
+            lambda: upstream.resolve(
+                cfg, version, sdist=getattr(args, "sdist", None), checkout=getattr(args, "checkout", None)
+            ),
             version,
             patches,
             force=True,

@@ -20,6 +20,7 @@ VERBS = {
     "rebase": "rebase",
     "deploy": "deploy",
     "pr": "pr",
+    "status": "status",
 }
 
 

@@ -37,7 +37,9 @@ FORMAT_PATCH = [
 
 def add_arguments(p) -> None:
     p.add_argument("--from", dest="tree", type=Path, metavar="DIR", help="materialized tree (default: build/fork)")
-    p.add_argument("--upstream", type=Path, metavar="DIR", help="write only the upstreamable patches, as a series, to DIR")
+    p.add_argument(
+        "--upstream", type=Path, metavar="DIR", help="write only the upstreamable patches, as a series, to DIR"
+    )
 
 
 def render(tree: Path, version: str) -> list[tuple[str, bytes]]:

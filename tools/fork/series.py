@@ -67,9 +67,7 @@ def mailinfo(patch: bytes) -> MailInfo:
         )
         if proc.returncode != 0:
             raise BadInput(f"not a patch mail: {proc.stderr.decode(errors='replace').strip()}")
-        headers = dict(
-            line.split(": ", 1) for line in proc.stdout.decode().splitlines() if ": " in line
-        )
+        headers = dict(line.split(": ", 1) for line in proc.stdout.decode().splitlines() if ": " in line)
         return MailInfo(
             author=headers.get("Author", ""),
             email=headers.get("Email", ""),

@@ -10,13 +10,11 @@ materialized tree, `export`.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
 import io
 import os
 import subprocess
 import sys
-import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,32 +156,12 @@ def message(subject: str, tested: str = "pytest tests/ut (all passed)") -> str:
     )
 
 
-def make_sdist(dest: Path, version: str, files: dict[str, str], dist: str = "vllm_ascend") -> tuple[Path, str]:
-    """A deterministic sdist of `files`; returns (path, sha256)."""
+def make_sdist(dest: Path, version: str, files: dict[str, str]) -> tuple[Path, str]:
+    """A deterministic sdist of `files` (conftest's maker); returns (path, sha256)."""
+    from tools.fork.tests.conftest import make_sdist as make
+
     dest.mkdir(parents=True, exist_ok=True)
-    top = f"{dist}-{version}"
-    members = dict(files)
-    members["PKG-INFO"] = f"Metadata-Version: 2.1\nName: vllm-ascend\nVersion: {version}\n"
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        dirs = set()
-        for p in members:
-            parent = Path(top, p).parent
-            while str(parent) != ".":
-                dirs.add(str(parent))
-                parent = parent.parent
-        for d in sorted(dirs):
-            info = tarfile.TarInfo(d)
-            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 0
-            tar.addfile(info)
-        for p in sorted(members):
-            data = members[p].encode()
-            info = tarfile.TarInfo(f"{top}/{p}")
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-    path = dest / f"{dist}-{version}.tar.gz"
-    with open(path, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", mtime=0, filename="") as gz:
-        gz.write(buf.getvalue())
+    path = make(dest, version, files)
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 

@@ -1,0 +1,35 @@
+# The two commands a new user runs (README): `make fork` and `make test`.
+PYTHON ?= python3
+VENV := build/tools-venv
+FORK := $(VENV)/bin/python -m tools.fork
+
+.PHONY: fork test check lint status clean
+
+# Get and verify the pinned base, apply patches/, build the fork's wheel, print a summary.
+fork: $(VENV)/.stamp
+	$(FORK) apply
+	$(FORK) build
+	$(FORK) status
+
+# Check the series, then run the fork's tests and upstream's CPU suite on base and fork.
+test: $(VENV)/.stamp
+	$(FORK) check
+	$(FORK) test
+
+check: $(VENV)/.stamp
+	$(FORK) check
+
+lint: $(VENV)/.stamp
+	$(VENV)/bin/pre-commit run --all-files
+
+status: $(VENV)/.stamp
+	$(FORK) status
+
+$(VENV)/.stamp: tools/requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -r tools/requirements.txt
+	touch $@
+
+clean:
+	rm -rf build dist

@@ -20,6 +20,19 @@ def run(args, cfg) -> int:
     for i, p in enumerate(patches, 1):
         mark = "  [fork-only]" if p.name in cfg.fork_only else ""
         print(f"  {i}. {p.info.subject}{mark}")
+    for b in cfg.bases:
+        if b.version == cfg.pin.version:
+            continue
+        own = [
+            f"{name} ({'skipped: already upstream there' if path is None else 'own variant'})"
+            for name, path in series.resolve(cfg, b.version)
+            if path is None or path.parent != cfg.patches_dir
+        ]
+        if own:
+            print(f"  on {b.version}: " + "; ".join(own))
+    work = cfg.build_dir / "rebase"
+    if work.exists():
+        print(f"rebase   in progress ({work.relative_to(cfg.root)}): `rebase --continue` or `rebase --abort`")
     tree = cfg.default_fork_dir()
     if git.is_repo(tree):
         state = State.load(tree)

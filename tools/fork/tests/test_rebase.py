@@ -157,6 +157,7 @@ def test_conflict_stops_then_continue_after_resolution(tmp_path, monkeypatch):
     assert f"{COPY}: both modified; conflict markers at lines {first}-{last}" in r.out
     assert f"cd {tree}" in r.out and f"git add {COPY}" in r.out and "rebase --continue" in r.out
     assert_unchanged(fork, before)
+    assert "rebase   in progress" in fork.ok("status").out
     # A second rebase while this one is open is refused.
     again = fork.cli("rebase", "--onto", B)
     assert again.rc == EXIT_IN_PROGRESS and "already in progress" in again.err and fork.names[0] in again.err
@@ -231,6 +232,7 @@ def test_already_upstream_is_dropped_with_patch_id_evidence_and_round_trips(tmp_
     assert names[1] == fork.names[1] and not (fork.root / "patches" / fork.names[1]).exists()
     assert names[2].startswith("0002-Misc-Feature")
     assert list(config.load(fork.root).fork_only) == [names[2]]
+    assert f"on {A}: {fork.names[1]} (own variant)" in fork.ok("status").out
     fork.ok("check", "--all-bases")
     r = fork.ok("rebase", "--onto", A)
     assert outcomes(fork, r.out)[fork.names[1]] == f"applied cleanly ({A} variant)"

@@ -124,7 +124,7 @@ def test_snapshot_patch_across_0_23_0_and_post1_both_ways(real_fork):
     assert fork.snapshot() == on_post1  # lossless round trip
 
 
-def test_the_repositorys_own_series_round_trips_through_every_base(tmp_path, monkeypatch):
+def test_this_repository_series_round_trips_through_every_base(tmp_path, monkeypatch):
     """This repository's real series (patches/, fork.toml, the overlay), copied: onto each other base
     in the matrix, `check --all-bases`, and back onto the pin, byte for byte."""
     monkeypatch.delenv("FORK_CACHE", raising=False)

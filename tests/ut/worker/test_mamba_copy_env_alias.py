@@ -1,0 +1,121 @@
+#
+# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
+# This file is a part of the vllm-ascend project.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+"""GLM53_BATCH_MEMCPY (fork-only deployment alias) against VLLM_ASCEND_MAMBA_COPY_BACKEND."""
+
+import contextlib
+import importlib
+
+import pytest
+from vllm.v1.worker import mamba_utils
+
+import vllm_ascend.patch.worker.patch_mamba_utils as patch_mamba_utils
+from vllm_ascend.worker import mamba_state_copy as msc
+from vllm_ascend.worker.mamba_copy_env_alias import ALIAS_NAME, mamba_copy_backend_from_env
+
+ENV_NAME = msc.ENV_NAME
+
+
+@contextlib.contextmanager
+def restored_bindings():
+    """Undo every binding a test (or a reload of patch_mamba_utils) makes."""
+    saved_vllm_module = dict(vars(mamba_utils))
+    saved_create = vars(mamba_utils.MambaCopyBuffers)["create"]
+    saved_patch_module = dict(vars(patch_mamba_utils))  # a reload re-executes into the same dict
+    saved_backend = msc._active_backend
+    try:
+        yield
+    finally:
+        vars(mamba_utils).update(saved_vllm_module)
+        mamba_utils.MambaCopyBuffers.create = saved_create
+        vars(patch_mamba_utils).clear()
+        vars(patch_mamba_utils).update(saved_patch_module)
+        msc._active_backend = saved_backend
+
+
+def _env(alias, upstream):
+    env = {}
+    if alias is not None:
+        env[ALIAS_NAME] = alias
+    if upstream is not None:
+        env[ENV_NAME] = upstream
+    return env
+
+
+@pytest.mark.parametrize(
+    ("alias", "upstream", "alias_says", "active"),
+    [
+        (None, None, None, "torch"),
+        ("0", None, None, "torch"),
+        ("0", "triton", None, "triton"),  # no opinion: the upstream-style name decides
+        (None, "triton", None, "triton"),
+        ("1", None, "triton", "triton"),
+        ("1", "", "triton", "triton"),
+        ("1", "triton", "triton", "triton"),
+        (" 1 ", " TRITON ", "triton", "triton"),
+    ],
+)
+def test_alias_selects_the_raw_pointer_kernel(monkeypatch, alias, upstream, alias_says, active):
+    env = _env(alias, upstream)
+    assert mamba_copy_backend_from_env(env) == alias_says
+    for name in (ALIAS_NAME, ENV_NAME):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with restored_bindings():
+        module = importlib.reload(patch_mamba_utils)  # start-up: the patch module binds the copy path
+        assert msc.active_backend() == active
+        assert mamba_utils.do_mamba_copy_block is msc.do_mamba_copy_block
+        assert mamba_utils.batch_memcpy is module._batch_memcpy_triton
+
+
+@pytest.mark.parametrize("alias", ["2", "true", "yes", "", "01", "triton"])
+def test_unknown_alias_value_fails_naming_it_and_its_allowed_values(alias):
+    with pytest.raises(msc.MambaCopyConfigError) as err:
+        mamba_copy_backend_from_env(_env(alias, None))
+    message = str(err.value)
+    assert f"{ALIAS_NAME}={alias!r}" in message
+    assert "allowed values: 1" in message and "0 or unset" in message
+
+
+@pytest.mark.parametrize("upstream", ["torch", " Torch "])
+def test_conflicting_settings_fail_naming_both(upstream):
+    with pytest.raises(msc.MambaCopyConfigError) as err:
+        mamba_copy_backend_from_env(_env("1", upstream))
+    message = str(err.value)
+    assert f"{ALIAS_NAME}=1 selects 'triton'" in message
+    assert f"{ENV_NAME}={upstream!r} selects 'torch'" in message
+
+
+def test_alias_with_an_unknown_upstream_value_reports_the_unknown_value():
+    with pytest.raises(msc.MambaCopyConfigError, match=f"Unknown {ENV_NAME}='bogus'; allowed values"):
+        mamba_copy_backend_from_env(_env("1", "bogus"))
+
+
+@pytest.mark.parametrize(("alias", "upstream", "match"), [("1", "torch", "Conflicting"), ("on", None, ALIAS_NAME)])
+def test_bad_combination_fails_at_start_up(monkeypatch, alias, upstream, match):
+    monkeypatch.delenv(ENV_NAME, raising=False)
+    for name, value in _env(alias, upstream).items():
+        monkeypatch.setenv(name, value)
+    with restored_bindings(), pytest.raises(msc.MambaCopyConfigError, match=match):
+        importlib.reload(patch_mamba_utils)
+
+
+def test_alias_on_310p_is_refused():
+    with restored_bindings(), pytest.raises(msc.MambaCopyConfigError, match="310P"):
+        msc.bind_mamba_state_copy(
+            mamba_utils, on_310p=True, pointer_kernels={}, backend=mamba_copy_backend_from_env(_env("1", None))
+        )

@@ -40,7 +40,7 @@ KERNEL_HARNESS = "tools/kernel_harness"
 ASCEND_COMPILE = "tools/kernel_harness/ascend_compile.py"
 TOOLING_TESTS = "tools/fork/tests"
 # Bump when the way the suite is run changes (invalidates cached base results).
-RUNNER_VERSION = 1
+RUNNER_VERSION = 2
 SUITE_TIMEOUT_S = 30 * 60
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed")
 NOT_PASSING = {"failed", "error", "skipped", "xfailed"}
@@ -281,7 +281,9 @@ def run_suite(tenv: testenv.TestEnv, tree: Path, version: str, label: str, pytes
     junit.unlink(missing_ok=True)
     cmd = [
         str(tenv.python), "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-        "--continue-on-collection-errors", "-o", "junit_family=xunit1", f"--junitxml={junit}", *pytest_args,
+        "--continue-on-collection-errors", "-o", "junit_family=xunit1", f"--junitxml={junit}",
+        # The tree is the rootdir (test ids relative to it), whatever config lies above it.
+        f"--rootdir={tree}", *pytest_args,
     ]  # fmt: skip
     env = tenv.env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HF_HUB_OFFLINE": "1"})
     print(f"fork test: [{label}] {tree}: pytest {' '.join(pytest_args[:3])}{' ...' if len(pytest_args) > 3 else ''}")

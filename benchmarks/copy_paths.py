@@ -70,13 +70,13 @@ class Batch:
     def __init__(self, torch, device, requests, layers, conv_rows, conv_dim, temporal_shape, seed=0):
         self.torch = torch
         blocks = 2 * requests + 2
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        torch.manual_seed(seed)
         self.pools = []
         for _ in range(layers):
             conv = torch.empty(blocks, conv_rows, conv_dim, dtype=torch.bfloat16, device=device)
             temporal = torch.empty(blocks, *temporal_shape, dtype=torch.float32, device=device)
-            conv.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, conv.shape, dtype=torch.int16, generator=gen))
-            temporal.copy_(torch.randn(temporal.shape, generator=gen))
+            conv.view(torch.int16).random_(-(2**15), 2**15)  # filled on the device
+            temporal.normal_()
             self.pools.append((conv, temporal))
         self.views = []  # (src_view, dst_view)
         for layer, (conv, temporal) in enumerate(self.pools):
@@ -107,9 +107,9 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
 
         return run
 
-    def memmove_cfg(block, tiles):
+    def memmove_cfg(block, tiles, warps=None):
         def run(b):
-            memmove(b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block, tiles=tiles)
+            memmove(b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block, tiles=tiles, num_warps=warps)
 
         return run
 
@@ -132,8 +132,10 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
     }
     if sweep and not smoke:
-        for block, tiles in ((1024, 16), (4096, 8), (4096, 32), (8192, 16), (16384, 16), (2048, 32)):
-            backends[f"memmove_b{block}_t{tiles}"] = (memmove_cfg(block, tiles), {"block": block, "tiles": tiles})
+        for block, tiles, warps in ((1024, 16, 4), (2048, 32, 4), (4096, 8, 4), (4096, 32, 4), (4096, 16, 8),
+                                    (8192, 16, 4), (8192, 16, 8), (8192, 32, 8), (16384, 16, 8)):
+            backends[f"memmove_b{block}_t{tiles}_w{warps}"] = (
+                memmove_cfg(block, tiles, warps), {"block": block, "tiles": tiles, "num_warps": warps})
     return backends
 
 

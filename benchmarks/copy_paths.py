@@ -132,10 +132,23 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
     }
     if sweep and not smoke:
-        for block, tiles, warps in ((1024, 16, 4), (2048, 32, 4), (4096, 8, 4), (4096, 32, 4), (4096, 16, 8),
-                                    (8192, 16, 4), (8192, 16, 8), (8192, 32, 8), (16384, 16, 8)):
+        for block, tiles, warps in ((8192, 16, 4), (8192, 32, 4), (8192, 64, 4), (16384, 16, 4), (16384, 32, 4),
+                                    (32768, 16, 4), (32768, 32, 4), (16384, 16, 2), (8192, 16, 8)):
             backends[f"memmove_b{block}_t{tiles}_w{warps}"] = (
                 memmove_cfg(block, tiles, warps), {"block": block, "tiles": tiles, "num_warps": warps})
+        from benchmarks import memmove_variants
+
+        def pipelined(block, tiles, warps):
+            def run(b):
+                memmove_variants.batch_memmove_pipelined(b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block,
+                                                         tiles=tiles, num_warps=warps)
+
+            return run
+
+        for block, tiles, warps in ((4096, 16, 4), (4096, 32, 4), (8192, 16, 4), (8192, 32, 4), (16384, 16, 4)):
+            backends[f"pipelined_b{block}_t{tiles}_w{warps}"] = (
+                pipelined(block, tiles, warps), {"block": block, "tiles": tiles, "num_warps": warps,
+                                                 "variant": "pipelined"})
     return backends
 
 

@@ -103,7 +103,7 @@ def run_random(k, torch, device, total_pairs, batch_pairs, max_log2, seed, num_w
 
 
 def rows_pool(torch, device, rows, row_bytes, shift, seed):
-    stride = row_bytes + 256
+    stride = row_bytes + shift + 256
     rng = np.random.default_rng(seed)
     pool = rng.integers(0, 256, size=rows * stride, dtype=np.uint8)
     return pool, stride

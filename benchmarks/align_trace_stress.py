@@ -87,15 +87,42 @@ def scenarios(scale: float, spec: int):
 
     rng = random.Random(7)
     out = {
-        "two_long_then_reuse": (16, 2, 128, [(0, n(700), n(500), None, 0), (0, n(650), n(520), None, 0),
-                                            (n(400), n(600), n(450), None, 0), (n(400), n(680), n(400), None, 0)]),
-        "three_concurrent": (16, 3, 128, [(0, n(300), n(400), None, 0), (0, n(350), n(380), None, 0),
-                                          (2, n(280), n(420), None, 0)]),
+        "two_long_then_reuse": (
+            16,
+            2,
+            128,
+            [
+                (0, n(700), n(500), None, 0),
+                (0, n(650), n(520), None, 0),
+                (n(400), n(600), n(450), None, 0),
+                (n(400), n(680), n(400), None, 0),
+            ],
+        ),
+        "three_concurrent": (
+            16,
+            3,
+            128,
+            [(0, n(300), n(400), None, 0), (0, n(350), n(380), None, 0), (2, n(280), n(420), None, 0)],
+        ),
         "long_decode_high_context": (64, 1, 512, [(0, n(6000), n(2000), None, 0)]),
-        "prefix_caching": (16, 6, 128, [(i * 3, n(200) + rng.randrange(0, 40), n(120) + rng.randrange(0, 60),
-                                         i % 3, max(1, n(160) // 16)) for i in range(18)]),
-        "churn_many": (16, 12, 64, [(rng.randrange(0, n(200)), rng.randrange(16, 17 + n(300)),
-                                     rng.randrange(8, 9 + n(200)), None, 0) for _ in range(40)]),
+        "prefix_caching": (
+            16,
+            6,
+            128,
+            [
+                (i * 3, n(200) + rng.randrange(0, 40), n(120) + rng.randrange(0, 60), i % 3, max(1, n(160) // 16))
+                for i in range(18)
+            ],
+        ),
+        "churn_many": (
+            16,
+            12,
+            64,
+            [
+                (rng.randrange(0, n(200)), rng.randrange(16, 17 + n(300)), rng.randrange(8, 9 + n(200)), None, 0)
+                for _ in range(40)
+            ],
+        ),
     }
     return out
 
@@ -124,8 +151,16 @@ class Sim:
         self.free = list(range(nb - 1, -1, -1))
         self.cache = {}  # prefix group -> block ids
         self.max_blocks = 0
-        self.stats = dict(steps=0, pre_pairs=0, post_pairs=0, same_block_shifts=0, mismatched_steps=0,
-                          mismatched_blocks=0, decision_mismatches=0, first_mismatch_step=None)
+        self.stats = dict(
+            steps=0,
+            pre_pairs=0,
+            post_pairs=0,
+            same_block_shifts=0,
+            mismatched_steps=0,
+            mismatched_blocks=0,
+            decision_mismatches=0,
+            first_mismatch_step=None,
+        )
 
     # -- copies ---------------------------------------------------------------------------------
     def _pairs_bytes(self, layer, kind, src_blk, src_row_off, dst_blk, nbytes):
@@ -148,10 +183,12 @@ class Sim:
         torch = self.torch
         if not pairs:
             return
-        src = torch.tensor([self.states[s].data_ptr() + a for s, a, _, _ in pairs], dtype=torch.int64,
-                           device=self.device)
-        dst = torch.tensor([self.states[s].data_ptr() + b for s, _, b, _ in pairs], dtype=torch.int64,
-                           device=self.device)
+        src = torch.tensor(
+            [self.states[s].data_ptr() + a for s, a, _, _ in pairs], dtype=torch.int64, device=self.device
+        )
+        dst = torch.tensor(
+            [self.states[s].data_ptr() + b for s, _, b, _ in pairs], dtype=torch.int64, device=self.device
+        )
         sizes = torch.tensor([n for *_, n in pairs], dtype=torch.int32, device=self.device)
         if self.backend == "unguarded":
             self.k["batch_memcpy_kernel"][(len(pairs),)](src, dst, sizes, BLOCK_SIZE=8192)
@@ -170,8 +207,11 @@ class Sim:
             if prev != -1 and prev != curr:
                 bias = r.num_accepted - 1
                 for layer in range(self.geo.layers):
-                    pairs.append(self._pairs_bytes(layer, 0, r.block_ids[prev], bias * row, r.block_ids[curr],
-                                                   (self.rows - bias) * row))
+                    pairs.append(
+                        self._pairs_bytes(
+                            layer, 0, r.block_ids[prev], bias * row, r.block_ids[curr], (self.rows - bias) * row
+                        )
+                    )
                     pairs.append(self._pairs_bytes(layer, 1, r.block_ids[prev + bias], 0, r.block_ids[curr], tbytes))
                 r.num_accepted = 1
         self.stats["pre_pairs"] += len(pairs)
@@ -220,7 +260,6 @@ class Sim:
         return (state_idx, dest, bias), out
 
     def postprocess(self, batch, sched, accepted):
-        torch = self.torch
         row = self.geo.conv_dim * 2
         tbytes = self.geo.temporal_elems * 4
         inputs = [(accepted[i], r.state_idx, sched[r.rid][0], r.computed, sched[r.rid][1]) for i, r in enumerate(batch)]
@@ -233,8 +272,11 @@ class Sim:
             if src == dest:
                 self.stats["same_block_shifts"] += 1
             for layer in range(self.geo.layers):
-                pairs.append(self._pairs_bytes(layer, 0, r.block_ids[src], bias * row, r.block_ids[dest],
-                                               (self.rows - bias) * row))
+                pairs.append(
+                    self._pairs_bytes(
+                        layer, 0, r.block_ids[src], bias * row, r.block_ids[dest], (self.rows - bias) * row
+                    )
+                )
                 pairs.append(self._pairs_bytes(layer, 1, r.block_ids[src + bias], 0, r.block_ids[dest], tbytes))
         self.stats["post_pairs"] += len(pairs)
         if self.backend == "dropcopy" and pairs:
@@ -271,15 +313,23 @@ class Sim:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         kernel[(len(batch), len(st))](
-            cols[0], cols[1], cols[2], cols[3], cols[4],
-            t([table_dev.data_ptr()], torch.int64), table_dev.stride(0),
+            cols[0],
+            cols[1],
+            cols[2],
+            cols[3],
+            cols[4],
+            t([table_dev.data_ptr()], torch.int64),
+            table_dev.stride(0),
             t([s.data_ptr() for s in st], torch.int64),
             t([s.stride(0) * s.element_size() for s in st], torch.int64),
             t([s.element_size() for s in st], torch.int32),
             t([s.stride(1) if i % 2 == 0 else s[0].numel() for i, s in enumerate(st)], torch.int64),
             t([s.size(1) if i % 2 == 0 else 0 for i, s in enumerate(st)], torch.int32),
             t([0] * len(st), torch.int32),
-            out, len(batch), block_size=self.bs, COPY_BLOCK_SIZE=1024,
+            out,
+            len(batch),
+            block_size=self.bs,
+            COPY_BLOCK_SIZE=1024,
         )
         return out.cpu().tolist()
 
@@ -361,8 +411,11 @@ class Sim:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", help="kernel trees (default: repo overlay + build/fork)")
-    parser.add_argument("--base-tree", default=str(common.ROOT / "build" / "base"),
-                        help="unpatched tree: its fused postprocess kernel is the control")
+    parser.add_argument(
+        "--base-tree",
+        default=str(common.ROOT / "build" / "base"),
+        help="unpatched tree: its fused postprocess kernel is the control",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--backends", default="unguarded,memmove,torch")
     parser.add_argument("--geometries", default="gdn_like,adversarial")
@@ -382,8 +435,10 @@ def main(argv=None):
         "adversarial": Geometry("adversarial", 2048, 8, 2048),
     }
     if smoke:
-        geos = {"gdn_like": Geometry("gdn_like", 3, 32, 64, num_blocks=256),
-                "adversarial": Geometry("adversarial", 64, 8, 64, num_blocks=256)}
+        geos = {
+            "gdn_like": Geometry("gdn_like", 3, 32, 64, num_blocks=256),
+            "adversarial": Geometry("adversarial", 64, 8, 64, num_blocks=256),
+        }
     scale = 0.05 if smoke else args.scale
     max_steps = 12 if smoke else args.max_steps
     meta = {"device": common.device_name(device), "versions": common.versions(), "date": common.now()}
@@ -394,24 +449,41 @@ def main(argv=None):
     jobs = [(g, b, s) for g in names for s in scen for b in backends]
     start = time.time()
     for i, (g, b, s) in enumerate(jobs):
-        spec = {"two_long_then_reuse": 3, "three_concurrent": 2, "long_decode_high_context": 3,
-                "prefix_caching": 1, "churn_many": 3}[s]
+        spec = {
+            "two_long_then_reuse": 3,
+            "three_concurrent": 2,
+            "long_decode_high_context": 3,
+            "prefix_caching": 1,
+            "churn_many": 3,
+        }[s]
         bs, max_running, chunk, arrivals = scen[s]
         sim = Sim(torch, device, kernels, geos[g], b, bs, spec, seed=zlib.crc32(f"{g}/{s}".encode()) % 1000)
         # an equal share of the remaining budget for each remaining job
         budget = (args.seconds - (time.time() - start)) / (len(jobs) - i)
         t0 = time.time()
         stats = sim.run(scen[s], max_steps, time.time() + budget)
-        rec = {"geometry": g, "backend": b, "scenario": s, "spec_tokens": spec, "block_size": bs,
-               "requests": len(arrivals), "seconds": round(time.time() - t0, 1), **stats, **meta}
+        rec = {
+            "geometry": g,
+            "backend": b,
+            "scenario": s,
+            "spec_tokens": spec,
+            "block_size": bs,
+            "requests": len(arrivals),
+            "seconds": round(time.time() - t0, 1),
+            **stats,
+            **meta,
+        }
         results.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "versions"}), flush=True)
         del sim
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    bad = sum(r["mismatched_steps"] + r["decision_mismatches"] for r in results
-              if r["backend"] not in ("unguarded", "dropcopy"))
+    bad = sum(
+        r["mismatched_steps"] + r["decision_mismatches"]
+        for r in results
+        if r["backend"] not in ("unguarded", "dropcopy")
+    )
     lost = [r for r in results if r["backend"] == "dropcopy" and r["post_pairs"] and not r["mismatched_steps"]]
     if lost:
         print(f"align_trace: checker self-test failed: dropped copies went unnoticed in {len(lost)} runs")

@@ -26,9 +26,9 @@ def setup_kernels(trees=None, base_tree=None):
     roots = loader.split_roots(trees) if trees else [p for p in DEFAULT_TREES if p.exists()]
     info = loader.setup(roots)
     import torch  # noqa: F401  (after the interpreter decision)
+    from vllm_ascend.ops.triton.mamba import postprocess
 
     from vllm_ascend.ops.triton import batch_memcpy, batch_memmove
-    from vllm_ascend.ops.triton.mamba import postprocess
 
     kernels = {
         "info": info,
@@ -80,8 +80,12 @@ def versions() -> dict:
     import torch
     import triton
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "numpy": numpy.__version__}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "numpy": numpy.__version__,
+    }
     if torch.version.cuda:
         out["cuda"] = torch.version.cuda
     try:
@@ -94,4 +98,4 @@ def versions() -> dict:
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

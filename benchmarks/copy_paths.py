@@ -125,30 +125,45 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
     backends = {
         "unguarded": (pointer(memcpy, 8192), {"block": 8192}),
         "left_guard": (pointer(left_guard, 1024), {"block": 1024}),
-        "memmove": (memmove_cfg(mm.DEFAULT_BLOCK_SIZE, mm.DEFAULT_TILES),
-                    {"block": mm.DEFAULT_BLOCK_SIZE, "tiles": mm.DEFAULT_TILES}),
+        "memmove": (
+            memmove_cfg(mm.DEFAULT_BLOCK_SIZE, mm.DEFAULT_TILES),
+            {"block": mm.DEFAULT_BLOCK_SIZE, "tiles": mm.DEFAULT_TILES},
+        ),
         "torch_clone": (torch_clone, {}),
         "torch_copy": (torch_copy, {}),
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
     }
     if sweep and not smoke:
-        for block, tiles, warps in ((8192, 16, 4), (8192, 32, 4), (8192, 64, 4), (16384, 16, 4), (16384, 32, 4),
-                                    (32768, 16, 4), (32768, 32, 4), (16384, 16, 2), (8192, 16, 8)):
+        for block, tiles, warps in (
+            (8192, 16, 4),
+            (8192, 32, 4),
+            (8192, 64, 4),
+            (16384, 16, 4),
+            (16384, 32, 4),
+            (32768, 16, 4),
+            (32768, 32, 4),
+            (16384, 16, 2),
+            (8192, 16, 8),
+        ):
             backends[f"memmove_b{block}_t{tiles}_w{warps}"] = (
-                memmove_cfg(block, tiles, warps), {"block": block, "tiles": tiles, "num_warps": warps})
+                memmove_cfg(block, tiles, warps),
+                {"block": block, "tiles": tiles, "num_warps": warps},
+            )
         from benchmarks import memmove_variants
 
         def pipelined(block, tiles, warps):
             def run(b):
-                memmove_variants.batch_memmove_pipelined(b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block,
-                                                         tiles=tiles, num_warps=warps)
+                memmove_variants.batch_memmove_pipelined(
+                    b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block, tiles=tiles, num_warps=warps
+                )
 
             return run
 
         for block, tiles, warps in ((4096, 16, 4), (4096, 32, 4), (8192, 16, 4), (8192, 32, 4), (16384, 16, 4)):
             backends[f"pipelined_b{block}_t{tiles}_w{warps}"] = (
-                pipelined(block, tiles, warps), {"block": block, "tiles": tiles, "num_warps": warps,
-                                                 "variant": "pipelined"})
+                pipelined(block, tiles, warps),
+                {"block": block, "tiles": tiles, "num_warps": warps, "variant": "pipelined"},
+            )
     return backends
 
 
@@ -267,8 +282,11 @@ def host_cost(torch, requests=64, layers=36, reps=3):
         return src.size
 
     out = {}
-    for name, fn in (("pointer_buffers", pointer_path), ("tensor_pairs", tensor_pair_path),
-                     ("numpy_vectorized", numpy_path)):
+    for name, fn in (
+        ("pointer_buffers", pointer_path),
+        ("tensor_pairs", tensor_pair_path),
+        ("numpy_vectorized", numpy_path),
+    ):
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -304,23 +322,47 @@ def run(args):
             median_ms, times = time_batch(torch, device, fn, batch, reps, 2)
             gbps = 2 * batch.bytes / (median_ms * 1e-3) / 1e9
             rec = {
-                "backend": name, "requests": requests, "pairs": batch.pairs, "bytes": batch.bytes,
-                "median_ms": median_ms, "min_ms": min(times), "gbps": gbps, "d2d_gbps": d2d_gbps,
-                "pct_of_d2d": 100 * gbps / d2d_gbps, "correct": ok, "config": cfg, "layers": layers, **meta,
+                "backend": name,
+                "requests": requests,
+                "pairs": batch.pairs,
+                "bytes": batch.bytes,
+                "median_ms": median_ms,
+                "min_ms": min(times),
+                "gbps": gbps,
+                "d2d_gbps": d2d_gbps,
+                "pct_of_d2d": 100 * gbps / d2d_gbps,
+                "correct": ok,
+                "config": cfg,
+                "layers": layers,
+                **meta,
             }
             records.append(rec)
-            print(f"{name:>20} req={requests:>3} pairs={batch.pairs:>5} {batch.bytes / 1e6:8.1f} MB "
-                  f"{median_ms:9.3f} ms {gbps:8.1f} GB/s {rec['pct_of_d2d']:5.1f}% d2d correct={ok}", flush=True)
+            print(
+                f"{name:>20} req={requests:>3} pairs={batch.pairs:>5} {batch.bytes / 1e6:8.1f} MB "
+                f"{median_ms:9.3f} ms {gbps:8.1f} GB/s {rec['pct_of_d2d']:5.1f}% d2d correct={ok}",
+                flush=True,
+            )
         del batch
         if device == "cuda":
             torch.cuda.empty_cache()
     if not args.no_host:
         host = host_cost(torch, requests=2 if smoke else 64, layers=layers)
         for name, vals in host.items():
-            records.append({"backend": f"host_{name}", "kind": "host", **vals, "device": "host cpu",
-                            "versions": meta["versions"], "date": meta["date"]})
-            print(f"host {name:>18}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step "
-                  f"({vals['pairs']} pairs)", flush=True)
+            records.append(
+                {
+                    "backend": f"host_{name}",
+                    "kind": "host",
+                    **vals,
+                    "device": "host cpu",
+                    "versions": meta["versions"],
+                    "date": meta["date"],
+                }
+            )
+            print(
+                f"host {name:>18}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step "
+                f"({vals['pairs']} pairs)",
+                flush=True,
+            )
     return records
 
 

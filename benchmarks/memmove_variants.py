@@ -23,8 +23,7 @@ def _copy_strided_pipelined(src_ptr, dst_ptr, size, start, step, offsets, BLOCK_
 
 
 @triton.jit
-def _move_pair_pipelined(src_ptr, dst_ptr, size, is_left, is_right, tile, num_tiles, offsets,
-                         BLOCK_SIZE: tl.constexpr):
+def _move_pair_pipelined(src_ptr, dst_ptr, size, is_left, is_right, tile, num_tiles, offsets, BLOCK_SIZE: tl.constexpr):
     if is_left:
         if tile == 0:
             _move_forward(src_ptr, dst_ptr, size, offsets, BLOCK_SIZE)
@@ -32,8 +31,7 @@ def _move_pair_pipelined(src_ptr, dst_ptr, size, is_left, is_right, tile, num_ti
         if tile == 0:
             _move_backward(src_ptr, dst_ptr, size, offsets, BLOCK_SIZE)
     else:
-        _copy_strided_pipelined(src_ptr, dst_ptr, size, tile * BLOCK_SIZE, num_tiles * BLOCK_SIZE, offsets,
-                                BLOCK_SIZE)
+        _copy_strided_pipelined(src_ptr, dst_ptr, size, tile * BLOCK_SIZE, num_tiles * BLOCK_SIZE, offsets, BLOCK_SIZE)
 
 
 @triton.jit
@@ -63,5 +61,6 @@ def batch_memmove_pipelined_kernel(src_ptrs, dst_ptrs, sizes, BLOCK_SIZE: tl.con
 
 def batch_memmove_pipelined(src_ptrs, dst_ptrs, sizes, *, block_size, tiles, num_warps=None):
     kwargs = {} if num_warps is None else {"num_warps": num_warps}
-    batch_memmove_pipelined_kernel[(src_ptrs.shape[0], tiles)](src_ptrs, dst_ptrs, sizes, BLOCK_SIZE=block_size,
-                                                                **kwargs)
+    batch_memmove_pipelined_kernel[(src_ptrs.shape[0], tiles)](
+        src_ptrs, dst_ptrs, sizes, BLOCK_SIZE=block_size, **kwargs
+    )

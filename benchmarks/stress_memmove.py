@@ -51,8 +51,9 @@ def random_batch(rng: random.Random, num_pairs: int, max_log2: int):
             pairs.append((start, start, size))
             end = start + size
         elif kind == "disjoint":
-            pairs.append((start, start + size + shift, size) if rng.random() < 0.5 else
-                         (start + size + shift, start, size))
+            pairs.append(
+                (start, start + size + shift, size) if rng.random() < 0.5 else (start + size + shift, start, size)
+            )
             end = start + 2 * size + shift
         elif kind == "left":
             pairs.append((start + shift, start, size))
@@ -96,10 +97,18 @@ def run_random(k, torch, device, total_pairs, batch_pairs, max_log2, seed, num_w
             bad_outside += int((got[~covered] != pool[~covered]).sum())
         done += len(pairs)
         batches += 1
-    return {"test": "random_pairs", "pairs": done, "batches": batches, "pairs_per_batch": batch_pairs,
-            "max_size": 2**max_log2, "num_warps": num_warps, "mismatched_pairs": bad_pairs,
-            "changed_bytes_outside_destinations": bad_outside, "seconds": round(time.time() - t0, 1),
-            "kinds": list(KINDS)}
+    return {
+        "test": "random_pairs",
+        "pairs": done,
+        "batches": batches,
+        "pairs_per_batch": batch_pairs,
+        "max_size": 2**max_log2,
+        "num_warps": num_warps,
+        "mismatched_pairs": bad_pairs,
+        "changed_bytes_outside_destinations": bad_outside,
+        "seconds": round(time.time() - t0, 1),
+        "kinds": list(KINDS),
+    }
 
 
 def rows_pool(torch, device, rows, row_bytes, shift, seed):
@@ -149,9 +158,19 @@ def run_rows(k, torch, device, kernel_name, direction, rows, row_bytes, shift, b
                 offs = idx[:, None] + torch.arange(c, min(c + chunk, row_bytes), device=device)[None, :]
                 row_bad |= diff[offs].any(dim=1)
             corrupted_rows += int(row_bad.sum())
-    return {"test": f"{direction}_rows", "kernel": kernel_name, "rows": rows, "row_bytes": row_bytes,
-            "shift": shift, "block": block, "num_warps": num_warps, "trials": trials,
-            "corrupted_trials": corrupted_trials, "corrupted_rows": corrupted_rows, "rows_total": rows * trials}
+    return {
+        "test": f"{direction}_rows",
+        "kernel": kernel_name,
+        "rows": rows,
+        "row_bytes": row_bytes,
+        "shift": shift,
+        "block": block,
+        "num_warps": num_warps,
+        "trials": trials,
+        "corrupted_trials": corrupted_trials,
+        "corrupted_rows": corrupted_rows,
+        "rows_total": rows * trials,
+    }
 
 
 def main(argv=None):
@@ -184,24 +203,37 @@ def main(argv=None):
         log(run_rows(k, torch, device, "memmove", "right", 4, 3000, 16, 1024, 4, 1, 0))
         log(run_rows(k, torch, device, "memmove", "left", 4, 3000, 1, 1024, 4, 1, 0))
     else:
+        default_block = k["memmove_module"].DEFAULT_BLOCK_SIZE
         for i, warps in enumerate((4, 8, 16)):
             share = args.pairs // 3 + (1 if i < args.pairs % 3 else 0)
             log(run_random(k, torch, device, share, args.batch_pairs, 16, 100 + i, warps))
         for warps in (4, 8, 16):
             for shift in (1, 2, 4, 8, 16, 32, 64):
-                for name, block in (("unguarded", 1024), ("unguarded", 8192), ("memmove", 1024),
-                                    ("memmove", 4096), ("left_guard", 1024)):
-                    log(run_rows(k, torch, device, name, "left", 2048, 32 * 1024, shift, block, warps,
-                                 args.trials, shift))
+                for name, block in (
+                    ("unguarded", 1024),
+                    ("unguarded", 8192),
+                    ("memmove", 1024),
+                    ("memmove", default_block),
+                    ("left_guard", 1024),
+                ):
+                    log(
+                        run_rows(
+                            k, torch, device, name, "left", 2048, 32 * 1024, shift, block, warps, args.trials, shift
+                        )
+                    )
         for warps in (4, 16):
             for shift in (16, 1000):
-                for name, block in (("unguarded", 8192), ("left_guard", 1024), ("memmove", 4096)):
+                for name, block in (("unguarded", 8192), ("left_guard", 1024), ("memmove", default_block)):
                     log(run_rows(k, torch, device, name, "right", 512, 32 * 1024, shift, block, warps, 3, shift))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    memmove_bad = sum(r.get("mismatched_pairs", 0) + r.get("changed_bytes_outside_destinations", 0)
-                      + (r.get("corrupted_rows", 0) if r.get("kernel") == "memmove" else 0) for r in results)
+    memmove_bad = sum(
+        r.get("mismatched_pairs", 0)
+        + r.get("changed_bytes_outside_destinations", 0)
+        + (r.get("corrupted_rows", 0) if r.get("kernel") == "memmove" else 0)
+        for r in results
+    )
     print(f"stress: memmove mismatches {memmove_bad}")
     return 1 if memmove_bad else 0
 

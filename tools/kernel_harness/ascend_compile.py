@@ -106,7 +106,12 @@ def compile_one(path: str, kernel: str, signature: dict, constexprs: dict) -> di
     artifacts = sorted(p.name for p in Path(cache).rglob("*") if p.suffix in (".ttir", ".ttadapter"))
     shutil.rmtree(cache, ignore_errors=True)
     if error is None:
-        return {"status": "OK", "stage": "binary", "detail": "compiled to a binary (CANN present)", "artifacts": artifacts}
+        return {
+            "status": "OK",
+            "stage": "binary",
+            "detail": "compiled to a binary (CANN present)",
+            "artifacts": artifacts,
+        }
     stage = ""
     for line in error.splitlines():
         if "encounters error" in line:
@@ -114,8 +119,12 @@ def compile_one(path: str, kernel: str, signature: dict, constexprs: dict) -> di
             break
     reached_stop = STOP_STAGE in error and STOP_MESSAGE in error
     if reached_stop and any(a.endswith(".ttadapter") for a in artifacts):
-        return {"status": "OK", "stage": stage, "detail": f"front end passed; stopped at {STOP_STAGE} (no CANN)",
-                "artifacts": artifacts}
+        return {
+            "status": "OK",
+            "stage": stage,
+            "detail": f"front end passed; stopped at {STOP_STAGE} (no CANN)",
+            "artifacts": artifacts,
+        }
     detail = " | ".join(line.strip() for line in error.splitlines() if line.strip() and "BEG]" not in line)
     return {"status": "FAIL", "stage": stage or "?", "detail": detail[:600], "artifacts": artifacts}
 
@@ -134,12 +143,19 @@ def _run_child(path: Path, kernel: str, signature: dict, constexprs: dict) -> di
         if line.startswith("{"):
             return json.loads(line)
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"status": "FAIL", "stage": "crash", "detail": f"exit {proc.returncode}: {' | '.join(tail)}", "artifacts": []}
+    return {
+        "status": "FAIL",
+        "stage": "crash",
+        "detail": f"exit {proc.returncode}: {' | '.join(tail)}",
+        "artifacts": [],
+    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", default=[], help="vllm-ascend tree(s); first wins (default build/fork)")
+    parser.add_argument(
+        "--tree", action="append", default=[], help="vllm-ascend tree(s); first wins (default build/fork)"
+    )
     parser.add_argument(
         "--extra",
         action="append",
@@ -156,7 +172,12 @@ def main(argv=None) -> int:
         from tools.kernel_harness import envs
 
         python = envs.ensure("ascend")
-        argv_out = [str(python), "-m", "tools.kernel_harness.ascend_compile", *(argv if argv is not None else sys.argv[1:])]
+        argv_out = [
+            str(python),
+            "-m",
+            "tools.kernel_harness.ascend_compile",
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
         return subprocess.run(argv_out, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
 
     if args.child:
@@ -173,8 +194,16 @@ def main(argv=None) -> int:
     for extra in args.extra:
         file, _, kernel = extra.rpartition(":")
         path = Path(file).resolve()
-        jobs.append((f"{kernel} ({path.name})", path if path.is_file() else None, file, kernel, BATCH_COPY_SIG,
-                     {"BLOCK_SIZE": 4096}))
+        jobs.append(
+            (
+                f"{kernel} ({path.name})",
+                path if path.is_file() else None,
+                file,
+                kernel,
+                BATCH_COPY_SIG,
+                {"BLOCK_SIZE": 4096},
+            )
+        )
 
     failed = 0
     for label, path, rel, kernel, sig, consts in jobs:
@@ -191,8 +220,10 @@ def main(argv=None) -> int:
         print(f"{result['status']} {label} [{path}]: {result['detail']}")
     import triton
 
-    print(f"ascend_compile: {len(jobs) - failed} ok, {failed} failed (triton-ascend {triton.__version__}, "
-          f"target {TARGET[0]}/{TARGET[1]})")
+    print(
+        f"ascend_compile: {len(jobs) - failed} ok, {failed} failed (triton-ascend {triton.__version__}, "
+        f"target {TARGET[0]}/{TARGET[1]})"
+    )
     return 1 if failed else 0
 
 

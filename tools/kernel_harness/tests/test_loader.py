@@ -42,6 +42,6 @@ def test_kernel_module_imports_from_the_tree_without_package_init(tmp_path):
 
 
 def test_not_a_tree_is_a_clear_error(tmp_path):
-    code = "from tools.kernel_harness import loader\nloader.register_tree([loader.Path('%s')])\n" % tmp_path
+    code = f"from tools.kernel_harness import loader\nloader.register_tree([loader.Path('{tmp_path}')])\n"
     proc = run_py(code, str(tmp_path))
     assert proc.returncode != 0 and "is not a vllm-ascend tree" in proc.stderr

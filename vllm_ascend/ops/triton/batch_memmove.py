@@ -32,8 +32,11 @@ outside every loop, and no condition chains ``A and B and C``.
 import torch
 from vllm.triton_utils import tl, triton
 
-# Bytes per program per loop pass.
-DEFAULT_BLOCK_SIZE = 4096
+# Bytes per program per loop pass. 32 KiB (4 warps: 256 B in flight per lane) measured best on an
+# NVIDIA H200 (benchmarks/RESULTS.md); on Ascend NPUs the block lives in the on-chip unified
+# buffer, so keep vllm-ascend's batch_memcpy block size there until measured on hardware.
+DEFAULT_BLOCK_SIZE = 32768
+NPU_BLOCK_SIZE = 8192
 # Programs per pair (grid axis 1) for pairs that do not overlap.
 DEFAULT_TILES = 16
 _ALIGN = 16
@@ -121,7 +124,7 @@ def batch_memmove(
     dst_ptrs: torch.Tensor,
     sizes: torch.Tensor,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     tiles: int = DEFAULT_TILES,
     num_warps: int | None = None,
 ) -> None:
@@ -130,7 +133,8 @@ def batch_memmove(
     Same call signature as vLLM's ``batch_memcpy``: 1-D device tensors, int64
     addresses and int32 byte counts, one launch for the whole batch. Only cheap
     checks run here (no device-to-host synchronisation); the addresses must be
-    valid device memory and no pair may overlap another pair.
+    valid device memory and no pair may overlap another pair. ``block_size``
+    defaults to DEFAULT_BLOCK_SIZE (NPU_BLOCK_SIZE on an NPU).
     """
     for name, tensor, dtype in (
         ("src_ptrs", src_ptrs, torch.int64),
@@ -154,6 +158,8 @@ def batch_memmove(
             "batch_memmove: src_ptrs, dst_ptrs and sizes must be on one device, got "
             f"{src_ptrs.device}, {dst_ptrs.device}, {sizes.device}"
         )
+    if block_size is None:
+        block_size = NPU_BLOCK_SIZE if src_ptrs.device.type == "npu" else DEFAULT_BLOCK_SIZE
     if block_size < _ALIGN or block_size & (block_size - 1):
         raise ValueError(f"batch_memmove: block_size must be a power of two >= {_ALIGN}, got {block_size}")
     if tiles < 1:

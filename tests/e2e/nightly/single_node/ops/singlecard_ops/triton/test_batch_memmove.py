@@ -25,9 +25,9 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from vllm_ascend.ops.triton.batch_memcpy import batch_memcpy_kernel
-from vllm_ascend.ops.triton.batch_memmove import DEFAULT_BLOCK_SIZE, batch_memmove
+
+from vllm_ascend.ops.triton.batch_memmove import DEFAULT_BLOCK_SIZE, NPU_BLOCK_SIZE, batch_memmove
 
 
 def _select_device() -> str:
@@ -42,7 +42,7 @@ DEVICE = _select_device()
 INTERPRETED = DEVICE == "cpu"
 # Small blocks and few tiles keep the interpreter fast while still walking
 # several blocks per pair; on a device the launcher's defaults are used too.
-BLOCK_SIZES = [64, 256] if INTERPRETED else [64, 1024, DEFAULT_BLOCK_SIZE]
+BLOCK_SIZES = [64, 256] if INTERPRETED else [64, 1024, NPU_BLOCK_SIZE if DEVICE == "npu" else DEFAULT_BLOCK_SIZE]
 TILES = 4 if INTERPRETED else 16
 POISON = 0xA5
 KINDS = ("left", "right", "exact", "disjoint")
@@ -214,7 +214,7 @@ def test_many_pairs_mixed_kinds_one_launch(seed):
     num_pairs, max_size = (48, 600) if INTERPRETED else (2048, 64 * 1024)
     pairs, end = _mixed_pairs(rng, num_pairs, max_size)
     pool = make_pool(end + 64, seed=seed)
-    block_size = 64 if INTERPRETED else DEFAULT_BLOCK_SIZE
+    block_size = 64 if INTERPRETED else None  # the launcher's default on a device
     assert_memmove(pool, pairs, block_size=block_size, tiles=TILES)
 
 
@@ -255,7 +255,7 @@ def test_mamba_conv_shift_every_bias_and_temporal_moves(dtype):
     def t(values, dt):
         return torch.tensor(values, dtype=dt, device=DEVICE)
 
-    block_size = 64 if INTERPRETED else DEFAULT_BLOCK_SIZE
+    block_size = 64 if INTERPRETED else None
     batch_memmove(t(src_ptrs, torch.int64), t(dst_ptrs, torch.int64), t(sizes, torch.int32), block_size=block_size)
     _sync()
     assert torch.equal(conv.cpu().view(torch.uint8), conv_ref.view(torch.uint8))
@@ -350,5 +350,5 @@ def test_control_unguarded_memcpy_races_on_left_shift_gpu(num_warps):
         torch.cuda.synchronize()
         corrupted += len(bad_pairs(dev.cpu().numpy(), expected, pairs))
     assert corrupted > 0, "unguarded kernel showed no race in 5 trials (control did not fire)"
-    for _ in range(5):
-        assert_memmove(pool, pairs, block_size=1024, num_warps=num_warps)
+    for block_size in (1024, None, None):  # None: the launcher's default block
+        assert_memmove(pool, pairs, block_size=block_size, num_warps=num_warps)

@@ -189,6 +189,17 @@ def time_batch(torch, device, fn, batch, reps, warmup):
     return statistics.median(times), times
 
 
+def time_back_to_back(torch, device, fn, batch, reps, count=10):
+    """Median ms per batch over `count` launches queued back to back (no host launch gaps)."""
+
+    def many(b):
+        for _ in range(count):
+            fn(b)
+
+    median_ms, _ = time_batch(torch, device, many, batch, reps, 1)
+    return median_ms / count
+
+
 def measure_d2d(torch, device, nbytes, reps):
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -321,6 +332,11 @@ def run(args):
             ok = check_backend(torch, fn, batch)
             median_ms, times = time_batch(torch, device, fn, batch, reps, 2)
             gbps = 2 * batch.bytes / (median_ms * 1e-3) / 1e9
+            b2b = {}
+            if device != "cpu" and not name.startswith("torch_"):
+                b2b_ms = time_back_to_back(torch, device, fn, batch, max(3, reps // 3))
+                b2b_gbps = 2 * batch.bytes / (b2b_ms * 1e-3) / 1e9
+                b2b = {"median_ms_b2b": b2b_ms, "gbps_b2b": b2b_gbps, "pct_of_d2d_b2b": 100 * b2b_gbps / d2d_gbps}
             rec = {
                 "backend": name,
                 "requests": requests,
@@ -331,6 +347,7 @@ def run(args):
                 "gbps": gbps,
                 "d2d_gbps": d2d_gbps,
                 "pct_of_d2d": 100 * gbps / d2d_gbps,
+                **b2b,
                 "correct": ok,
                 "config": cfg,
                 "layers": layers,
@@ -339,7 +356,8 @@ def run(args):
             records.append(rec)
             print(
                 f"{name:>20} req={requests:>3} pairs={batch.pairs:>5} {batch.bytes / 1e6:8.1f} MB "
-                f"{median_ms:9.3f} ms {gbps:8.1f} GB/s {rec['pct_of_d2d']:5.1f}% d2d correct={ok}",
+                f"{median_ms:9.3f} ms {gbps:8.1f} GB/s {rec['pct_of_d2d']:5.1f}% d2d correct={ok}"
+                + (f" | back-to-back {b2b['median_ms_b2b']:.3f} ms {b2b['pct_of_d2d_b2b']:5.1f}% d2d" if b2b else ""),
                 flush=True,
             )
         del batch

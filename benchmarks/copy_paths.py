@@ -422,6 +422,7 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="also time memmove block/tile variants")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--no-host", action="store_true", help="skip the host-side collector cost")
+    parser.add_argument("--host-only", action="store_true", help="only the host-side collector cost (64 requests)")
     parser.add_argument("--json", default=None, help="write records here")
     parser.add_argument("--png", default=None, help="write the plot here")
     parser.add_argument("--plot-only", help="read records from this JSON and only plot")
@@ -430,7 +431,17 @@ def main(argv=None):
         records = json.loads(Path(args.plot_only).read_text())
         plot(records, args.png or str(Path(args.plot_only).with_suffix(".png")))
         return 0
-    records = run(args)
+    if args.host_only:
+        common.setup_kernels(args.tree)
+        import torch
+
+        meta = {"device": "host cpu", "versions": common.versions(), "date": common.now()}
+        records = []
+        for name, vals in host_cost(torch, requests=64, layers=LAYERS, reps=5).items():
+            records.append({"backend": f"host_{name}", "kind": "host", **vals, **meta})
+            print(f"host {name:>18}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step")
+    else:
+        records = run(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(records, indent=1) + "\n")

@@ -1,10 +1,9 @@
 """Idempotent virtual environments for the kernel checks, cached under build/.
 
-    python -m tools.kernel_harness.envs interp   # build/kernel-venv: torch CPU + upstream triton (interpreter)
     python -m tools.kernel_harness.envs ascend   # build/ascend-venv: torch CPU + triton-ascend (front end)
 
 triton-ascend ships its own `triton` package, so it cannot share an environment
-with upstream triton. Each venv records the requirement list it was built from
+with upstream triton (the interpreter runs use the test environment, tools/fork/testenv.py). Each venv records the requirement list it was built from
 in `.kernel-harness-spec`; an unchanged list means nothing is installed again.
 Prints the venv's python path on the last line.
 """
@@ -21,13 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"  # the CPU wheel this machine holds locally
 SPECS = {
-    # numpy<2.4: Triton's interpreter calls int() on 1-element arrays, an error from numpy 2.4.
-    # pytest<9: upstream vllm-ascend's requirements-dev pin.
-    "interp": [TORCH, "triton==3.6.0", "numpy<2.4", "pytest>=8,<9", "hypothesis", "matplotlib"],
-    # pybind11 is an undeclared runtime dependency of triton-ascend 3.2.0.
+    # pybind11 is an undeclared runtime dependency of triton-ascend 3.2.0; its interpreter needs numpy<2.4.
     "ascend": [TORCH, "triton-ascend==3.2.0", "pybind11", "numpy<2.4"],
 }
-DIRS = {"interp": "kernel-venv", "ascend": "ascend-venv"}
+DIRS = {"ascend": "ascend-venv"}
 MARKER = ".kernel-harness-spec"
 
 

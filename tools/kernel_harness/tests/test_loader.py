@@ -1,5 +1,6 @@
 """The harness registers light vllm_ascend packages without running the real __init__s."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,12 @@ def run_py(code: str, tree: str):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={"PATH": "/usr/bin:/bin", "KERNEL_TREE": tree, "PYTHONPATH": str(ROOT)},
+        # keep an inherited PYTHONPATH: Triton may live in a --target dir (the test env's triton-site)
+        env={
+            "PATH": "/usr/bin:/bin",
+            "KERNEL_TREE": tree,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])),
+        },
         timeout=300,
     )
 

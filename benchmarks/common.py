@@ -26,9 +26,9 @@ def setup_kernels(trees=None, base_tree=None):
     roots = loader.split_roots(trees) if trees else [p for p in DEFAULT_TREES if p.exists()]
     info = loader.setup(roots)
     import torch  # noqa: F401  (after the interpreter decision)
-    from vllm_ascend.ops.triton.mamba import postprocess
 
     from vllm_ascend.ops.triton import batch_memcpy, batch_memmove
+    from vllm_ascend.ops.triton.mamba import postprocess
 
     kernels = {
         "info": info,

@@ -619,7 +619,8 @@ def run(args, cfg) -> int:
     if base_run:
         line = f"base {_fmt_counts(counts(base_run.results))} | " + line
     print(f"  upstream CPU suite: {line}")
-    print(f"  fork-added test files: {len(added)} ({len(ut_added)} in {UT_DIR}, {len(kernel_files)} kernel op)")
+    n_kernel = sum(f.startswith(KERNEL_TEST_DIR + "/") for f in added)
+    print(f"  fork-added test files: {len(added)} ({len(ut_added)} in {UT_DIR}, {n_kernel} kernel op)")
     for s in steps:
         extra = f" [{_fmt_counts(s.counts)}]" if s.counts else ""
         print(f"  {s.name}: {s.status}{extra} {s.detail}")

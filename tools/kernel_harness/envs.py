@@ -3,7 +3,8 @@
     python -m tools.kernel_harness.envs ascend   # build/ascend-venv: torch CPU + triton-ascend (front end)
 
 triton-ascend ships its own `triton` package, so it cannot share an environment
-with upstream triton (the interpreter runs use the test environment, tools/fork/testenv.py). Each venv records the requirement list it was built from
+with upstream triton (the interpreter runs use the test environment,
+tools/fork/testenv.py). Each venv records the requirement list it was built from
 in `.kernel-harness-spec`; an unchanged list means nothing is installed again.
 Prints the venv's python path on the last line.
 """

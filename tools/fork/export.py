@@ -256,5 +256,6 @@ def run(args, cfg) -> int:
     if not changed:
         print("fork export: patches/ and the overlay are up to date (nothing changed)")
     for path in changed:
-        print(f"fork export: wrote {path.relative_to(cfg.root)}")
+        verb = "wrote" if path.exists() else "removed"
+        print(f"fork export: {verb} {path.relative_to(cfg.root)}")
     return 0

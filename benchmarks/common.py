@@ -1,0 +1,101 @@
+"""Shared plumbing for the copy-path benchmarks and stress runs (device choice, kernels, versions)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.kernel_harness import loader  # noqa: E402
+
+DEFAULT_TREES = [ROOT, ROOT / "build" / "fork"]
+
+
+def setup_kernels(trees=None, base_tree=None):
+    """Import the kernel modules from the tree(s); returns a namespace dict.
+
+    `base_tree` (optional) is an unpatched vllm-ascend tree whose fused postprocess
+    kernel is the unguarded control.
+    """
+    roots = loader.split_roots(trees) if trees else [p for p in DEFAULT_TREES if p.exists()]
+    info = loader.setup(roots)
+    import torch  # noqa: F401  (after the interpreter decision)
+
+    from vllm_ascend.ops.triton import batch_memcpy, batch_memmove
+    from vllm_ascend.ops.triton.mamba import postprocess
+
+    kernels = {
+        "info": info,
+        "batch_memcpy_kernel": batch_memcpy.batch_memcpy_kernel,
+        "batch_memmove": batch_memmove.batch_memmove,
+        "memmove_module": batch_memmove,
+        "postprocess_guarded": postprocess.postprocess_mamba_fused_kernel,
+        "postprocess_unguarded": None,
+    }
+    if base_tree:
+        path = Path(base_tree) / "vllm_ascend" / "ops" / "triton" / "mamba" / "postprocess.py"
+        kernels["postprocess_unguarded"] = loader.load_file(path, "_base_postprocess").postprocess_mamba_fused_kernel
+    return kernels
+
+
+def select_device(requested: str = "auto") -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
+    if hasattr(torch, "npu") and torch.npu.is_available():
+        return "npu"
+    if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def synchronize(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device == "npu":
+        torch.npu.synchronize()
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    if device == "npu":
+        return torch.npu.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)"
+
+
+def versions() -> dict:
+    import numpy
+    import torch
+    import triton
+
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "numpy": numpy.__version__,
+    }
+    if torch.version.cuda:
+        out["cuda"] = torch.version.cuda
+    try:
+        import torch_npu
+
+        out["torch_npu"] = torch_npu.__version__
+    except Exception:
+        pass
+    return out
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,458 @@
+"""Benchmark the Mamba state copy paths on GDN/KDA-like align-mode batches.
+
+    python benchmarks/copy_paths.py                      # CUDA or NPU: full run
+    python benchmarks/copy_paths.py --smoke              # CPU, Triton interpreter, tiny shapes
+    python benchmarks/copy_paths.py --plot-only benchmarks/results/copy_paths_h200.json
+
+Backends (one batch = every copy of one align-mode step):
+  unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
+  left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
+  memmove      batch_memmove (this fork): overlap-safe, tiled, one launch
+  torch_clone  per pair dst.copy_(src.clone()) (the seed fix's default)
+  torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
+Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
+
+Shapes per layer (36 layers): one conv state of 3 rows x 16 KiB (bf16, dim 8192) and one
+2 MiB fp32 temporal state. Each request crosses a block boundary: its conv state moves to a new
+block shifted by 1-2 tokens (state[src, bias:] -> state[dst, :3 - bias]) and its temporal state
+moves to a new block. The device-to-device bandwidth of one large torch copy is measured in the
+same run as the ceiling. gbps counts read + write bytes (2 x bytes / time), like d2d_gbps.
+
+The host-side cost of collecting the copy metadata (pointer buffers vs tensor pairs) is measured
+on the CPU with CPU tensors, emulating the collectors' loops (no vLLM needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import common  # noqa: E402
+
+LAYERS = 36
+CONV_ROWS, CONV_DIM = 3, 8192  # bf16 -> 16 KiB rows
+TEMPORAL_SHAPE = (16, 128, 256)  # fp32 -> 2 MiB
+
+
+def left_guard_kernel_factory():
+    from vllm.triton_utils import tl, triton
+
+    @triton.jit
+    def left_guard_memcpy_kernel(src_ptrs, dst_ptrs, sizes, BLOCK_SIZE: tl.constexpr):
+        # Upstream vLLM's guard: barrier between load and store when dst < src overlaps.
+        pid = tl.program_id(0)
+        src = tl.load(src_ptrs + pid)
+        dst = tl.load(dst_ptrs + pid)
+        size = tl.load(sizes + pid).to(tl.int64)
+        is_left_overlap = (dst < src) & ((dst + size) > src)
+        src_ptr = src.to(tl.pointer_type(tl.uint8))
+        dst_ptr = dst.to(tl.pointer_type(tl.uint8))
+        offsets = tl.arange(0, BLOCK_SIZE)
+        for i in range(0, size, BLOCK_SIZE):
+            mask = (i + offsets) < size
+            data = tl.load(src_ptr + i + offsets, mask=mask)
+            if is_left_overlap:
+                tl.debug_barrier()
+            tl.store(dst_ptr + i + offsets, data, mask=mask)
+
+    return left_guard_memcpy_kernel
+
+
+class Batch:
+    """Pools for `layers` layers and the copy pairs of `requests` requests crossing a block boundary."""
+
+    def __init__(self, torch, device, requests, layers, conv_rows, conv_dim, temporal_shape, seed=0):
+        self.torch = torch
+        blocks = 2 * requests + 2
+        torch.manual_seed(seed)
+        self.pools = []
+        for _ in range(layers):
+            conv = torch.empty(blocks, conv_rows, conv_dim, dtype=torch.bfloat16, device=device)
+            temporal = torch.empty(blocks, *temporal_shape, dtype=torch.float32, device=device)
+            conv.view(torch.int16).random_(-(2**15), 2**15)  # filled on the device
+            temporal.normal_()
+            self.pools.append((conv, temporal))
+        self.views = []  # (src_view, dst_view)
+        for layer, (conv, temporal) in enumerate(self.pools):
+            for req in range(requests):
+                src_blk, dst_blk = 2 * req, 2 * req + 1
+                bias = 1 + (req + layer) % 2
+                self.views.append((conv[src_blk, bias:], conv[dst_blk, : conv_rows - bias]))
+                self.views.append((temporal[src_blk], temporal[dst_blk]))
+        self.src_ptrs = torch.tensor([s.data_ptr() for s, _ in self.views], dtype=torch.int64, device=device)
+        self.dst_ptrs = torch.tensor([d.data_ptr() for _, d in self.views], dtype=torch.int64, device=device)
+        sizes = [s.numel() * s.element_size() for s, _ in self.views]
+        self.sizes = torch.tensor(sizes, dtype=torch.int32, device=device)
+        self.bytes = sum(sizes)
+        self.pairs = len(sizes)
+
+    def reference(self):
+        return [(s.clone(), d) for s, d in self.views]
+
+
+def make_backends(kernels, torch, smoke: bool, sweep: bool):
+    memcpy = kernels["batch_memcpy_kernel"]
+    memmove = kernels["batch_memmove"]
+    left_guard = left_guard_kernel_factory()
+
+    def pointer(kernel, block):
+        def run(b):
+            kernel[(b.pairs,)](b.src_ptrs, b.dst_ptrs, b.sizes, BLOCK_SIZE=block)
+
+        return run
+
+    def memmove_cfg(block, tiles, warps=None):
+        def run(b):
+            memmove(b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block, tiles=tiles, num_warps=warps)
+
+        return run
+
+    def torch_clone(b):
+        for s, d in b.views:
+            d.copy_(s.clone())
+
+    def torch_copy(b):
+        for s, d in b.views:
+            d.copy_(s)
+
+    mm = kernels["memmove_module"]
+    backends = {
+        "unguarded": (pointer(memcpy, 8192), {"block": 8192}),
+        "left_guard": (pointer(left_guard, 1024), {"block": 1024}),
+        "memmove": (
+            memmove_cfg(mm.DEFAULT_BLOCK_SIZE, mm.DEFAULT_TILES),
+            {"block": mm.DEFAULT_BLOCK_SIZE, "tiles": mm.DEFAULT_TILES},
+        ),
+        "torch_clone": (torch_clone, {}),
+        "torch_copy": (torch_copy, {}),
+        "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
+    }
+    if sweep and not smoke:
+        for block, tiles, warps in (
+            (8192, 16, 4),
+            (8192, 32, 4),
+            (8192, 64, 4),
+            (16384, 16, 4),
+            (16384, 32, 4),
+            (32768, 16, 4),
+            (32768, 32, 4),
+            (16384, 16, 2),
+            (8192, 16, 8),
+        ):
+            backends[f"memmove_b{block}_t{tiles}_w{warps}"] = (
+                memmove_cfg(block, tiles, warps),
+                {"block": block, "tiles": tiles, "num_warps": warps},
+            )
+        from benchmarks import memmove_variants
+
+        def pipelined(block, tiles, warps):
+            def run(b):
+                memmove_variants.batch_memmove_pipelined(
+                    b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block, tiles=tiles, num_warps=warps
+                )
+
+            return run
+
+        for block, tiles, warps in ((4096, 16, 4), (4096, 32, 4), (8192, 16, 4), (8192, 32, 4), (16384, 16, 4)):
+            backends[f"pipelined_b{block}_t{tiles}_w{warps}"] = (
+                pipelined(block, tiles, warps),
+                {"block": block, "tiles": tiles, "num_warps": warps, "variant": "pipelined"},
+            )
+    return backends
+
+
+def time_batch(torch, device, fn, batch, reps, warmup):
+    for _ in range(warmup):
+        fn(batch)
+    common.synchronize(device)
+    times = []
+    if device in ("cuda", "npu"):
+        mod = getattr(torch, device)
+        for _ in range(reps):
+            start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
+            start.record()
+            fn(batch)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(batch)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), times
+
+
+def time_back_to_back(torch, device, fn, batch, reps, count=10):
+    """Median ms per batch over `count` launches queued back to back (no host launch gaps)."""
+
+    def many(b):
+        for _ in range(count):
+            fn(b)
+
+    median_ms, _ = time_batch(torch, device, many, batch, reps, 1)
+    return median_ms / count
+
+
+def measure_d2d(torch, device, nbytes, reps):
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    src.random_(0, 255) if device != "cpu" else src.fill_(1)
+
+    def fn(_):
+        dst.copy_(src)
+
+    median_ms, _ = time_batch(torch, device, fn, None, reps, 3)
+    return 2 * nbytes / (median_ms * 1e-3) / 1e9, median_ms
+
+
+def check_backend(torch, fn, batch) -> bool:
+    """One run against torch's own copy of the sources (no overlap in this batch)."""
+    ref = batch.reference()
+    for _, d in batch.views:
+        d.zero_()
+    fn(batch)
+    common.synchronize(batch.src_ptrs.device.type)
+    return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for s, d in ref)
+
+
+def host_cost(torch, requests=64, layers=36, reps=3):
+    """us per pair spent collecting copy metadata on the host, CPU tensors, collector-like loops."""
+    import numpy as np
+
+    blocks = 2 * requests + 2
+    # torch.empty: pages are never touched, only addresses are computed.
+    pools = [
+        (torch.empty(blocks, CONV_ROWS, CONV_DIM, dtype=torch.bfloat16), torch.empty(blocks, *TEMPORAL_SHAPE))
+        for _ in range(layers)
+    ]
+    block_ids = [[2 * r, 2 * r + 1] for r in range(requests)]
+    n = requests * layers * 2
+    src_np = np.zeros(n, dtype=np.int64)
+    dst_np = np.zeros(n, dtype=np.int64)
+    sizes_np = np.zeros(n, dtype=np.int32)
+
+    def conv_spec(state, ids, idx, bias):
+        view = state[ids[idx], bias:]
+        return view.data_ptr(), view.numel()
+
+    def temporal_spec(state, ids, idx, bias):
+        view = state[ids[idx + bias]]
+        return view.data_ptr(), view.numel()
+
+    specs = (conv_spec, temporal_spec)
+
+    def pointer_path():
+        off = 0
+        for r in range(requests):
+            ids = block_ids[r]
+            for layer in range(layers):
+                for state, spec in zip(pools[layer], specs):
+                    addr, numel = spec(state, ids, 0, 0 if spec is temporal_spec else 1)
+                    src_np[off] = addr
+                    dst_np[off] = state[ids[1]].data_ptr()
+                    sizes_np[off] = numel * state.element_size()
+                    off += 1
+        return off
+
+    def tensor_pair_path():
+        pairs = []
+        off = 0
+        for r in range(requests):
+            ids = block_ids[r]
+            for layer in range(layers):
+                for state, spec in zip(pools[layer], specs):
+                    addr, numel = spec(state, ids, 0, 0 if spec is temporal_spec else 1)
+                    esize = state.element_size()
+                    flat = state.view(-1)
+                    src = flat.narrow(0, (addr - state.data_ptr()) // esize, numel)
+                    dst = flat.narrow(0, (state[ids[1]].data_ptr() - state.data_ptr()) // esize, numel)
+                    pairs.append((src, dst))
+                    sizes_np[off] = numel * esize
+                    off += 1
+        return off
+
+    # Per-layer numpy address arithmetic: the lever FACTS.md names (not what upstream does today).
+    bases = np.array([[p.data_ptr() for p in layer] for layer in pools], dtype=np.int64)
+    strides = np.array([[p.stride(0) * p.element_size() for p in layer] for layer in pools], dtype=np.int64)
+    conv_row = CONV_DIM * 2
+
+    def numpy_path():
+        ids = np.array(block_ids, dtype=np.int64)
+        src = bases[None, :, :] + ids[:, 0, None, None] * strides[None, :, :]
+        src[:, :, 0] += conv_row
+        dst = bases[None, :, :] + ids[:, 1, None, None] * strides[None, :, :]
+        src_np[:] = src.reshape(-1)
+        dst_np[:] = dst.reshape(-1)
+        return src.size
+
+    out = {}
+    for name, fn in (
+        ("pointer_buffers", pointer_path),
+        ("tensor_pairs", tensor_pair_path),
+        ("numpy_vectorized", numpy_path),
+    ):
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            count = fn()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = {"us_per_pair": best / count * 1e6, "ms_per_step": best * 1e3, "pairs": count}
+    return out
+
+
+def run(args):
+    kernels = common.setup_kernels(args.tree)
+    import torch
+
+    device = common.select_device(args.device)
+    smoke = args.smoke or device == "cpu"
+    layers = 2 if smoke else LAYERS
+    conv_rows, conv_dim = (3, 256) if smoke else (CONV_ROWS, CONV_DIM)
+    temporal_shape = (4, 16, 16) if smoke else TEMPORAL_SHAPE
+    requests_list = [1, 2] if smoke else [int(r) for r in args.requests.split(",")]
+    reps = 3 if smoke else args.reps
+    meta = {"device": common.device_name(device), "versions": common.versions(), "date": common.now()}
+    d2d_bytes = (1 << 20) if smoke else args.d2d_mib << 20
+    d2d_gbps, d2d_ms = measure_d2d(torch, device, d2d_bytes, reps)
+    print(f"d2d: {d2d_gbps:.1f} GB/s (read+write) over {d2d_bytes >> 20} MiB, {d2d_ms:.3f} ms", flush=True)
+    backends = make_backends(kernels, torch, smoke, args.sweep)
+    if args.backends:
+        backends = {k: v for k, v in backends.items() if k in args.backends.split(",")}
+    records = []
+    for requests in requests_list:
+        batch = Batch(torch, device, requests, layers, conv_rows, conv_dim, temporal_shape)
+        for name, (fn, cfg) in backends.items():
+            ok = check_backend(torch, fn, batch)
+            median_ms, times = time_batch(torch, device, fn, batch, reps, 2)
+            gbps = 2 * batch.bytes / (median_ms * 1e-3) / 1e9
+            b2b = {}
+            if device != "cpu" and not name.startswith("torch_"):
+                b2b_ms = time_back_to_back(torch, device, fn, batch, max(3, reps // 3))
+                b2b_gbps = 2 * batch.bytes / (b2b_ms * 1e-3) / 1e9
+                b2b = {"median_ms_b2b": b2b_ms, "gbps_b2b": b2b_gbps, "pct_of_d2d_b2b": 100 * b2b_gbps / d2d_gbps}
+            rec = {
+                "backend": name,
+                "requests": requests,
+                "pairs": batch.pairs,
+                "bytes": batch.bytes,
+                "median_ms": median_ms,
+                "min_ms": min(times),
+                "gbps": gbps,
+                "d2d_gbps": d2d_gbps,
+                "pct_of_d2d": 100 * gbps / d2d_gbps,
+                **b2b,
+                "correct": ok,
+                "config": cfg,
+                "layers": layers,
+                **meta,
+            }
+            records.append(rec)
+            print(
+                f"{name:>20} req={requests:>3} pairs={batch.pairs:>5} {batch.bytes / 1e6:8.1f} MB "
+                f"{median_ms:9.3f} ms {gbps:8.1f} GB/s {rec['pct_of_d2d']:5.1f}% d2d correct={ok}"
+                + (f" | back-to-back {b2b['median_ms_b2b']:.3f} ms {b2b['pct_of_d2d_b2b']:5.1f}% d2d" if b2b else ""),
+                flush=True,
+            )
+        del batch
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if not args.no_host:
+        host = host_cost(torch, requests=2 if smoke else 64, layers=layers)
+        for name, vals in host.items():
+            records.append(
+                {
+                    "backend": f"host_{name}",
+                    "kind": "host",
+                    **vals,
+                    "device": "host cpu",
+                    "versions": meta["versions"],
+                    "date": meta["date"],
+                }
+            )
+            print(
+                f"host {name:>18}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step "
+                f"({vals['pairs']} pairs)",
+                flush=True,
+            )
+    return records
+
+
+def plot(records, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dev = [r for r in records if r.get("kind") != "host"]
+    if not dev:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = ["unguarded", "unguarded_b1024", "left_guard", "memmove", "torch_clone", "torch_copy"]
+    for name in names:
+        rows = sorted((r for r in dev if r["backend"] == name), key=lambda r: r["requests"])
+        if rows:
+            ax.plot([r["requests"] for r in rows], [r["gbps"] for r in rows], marker="o", label=name)
+    d2d = dev[0]["d2d_gbps"]
+    ax.axhline(d2d, color="k", linestyle="--", label=f"D2D copy ceiling ({d2d:.0f} GB/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests per batch (36 layers x (conv 3x16 KiB + temporal 2 MiB))")
+    ax.set_ylabel("GB/s (read + write)")
+    ax.set_title(f"Mamba state copy paths on {dev[0]['device']}")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--tree", help="kernel tree(s), os.pathsep-separated (default: repo overlay + build/fork)")
+    parser.add_argument("--requests", default="1,8,64")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--d2d-mib", type=int, default=1024)
+    parser.add_argument("--backends", help="comma-separated subset")
+    parser.add_argument("--sweep", action="store_true", help="also time memmove block/tile variants")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    parser.add_argument("--no-host", action="store_true", help="skip the host-side collector cost")
+    parser.add_argument("--host-only", action="store_true", help="only the host-side collector cost (64 requests)")
+    parser.add_argument("--json", default=None, help="write records here")
+    parser.add_argument("--png", default=None, help="write the plot here")
+    parser.add_argument("--plot-only", help="read records from this JSON and only plot")
+    args = parser.parse_args(argv)
+    if args.plot_only:
+        records = json.loads(Path(args.plot_only).read_text())
+        plot(records, args.png or str(Path(args.plot_only).with_suffix(".png")))
+        return 0
+    if args.host_only:
+        common.setup_kernels(args.tree)
+        import torch
+
+        meta = {"device": "host cpu", "versions": common.versions(), "date": common.now()}
+        records = []
+        for name, vals in host_cost(torch, requests=64, layers=LAYERS, reps=5).items():
+            records.append({"backend": f"host_{name}", "kind": "host", **vals, **meta})
+            print(f"host {name:>18}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step")
+    else:
+        records = run(args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    if args.png:
+        try:
+            plot(records, args.png)
+        except ImportError:
+            print("matplotlib missing: plot later with --plot-only", file=sys.stderr)
+    bad = [r for r in records if r.get("correct") is False and r["backend"] != "torch_copy"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

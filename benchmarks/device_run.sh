@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One device session: op tests, stress runs, align-mode trace stress and the benchmark.
+#
+#   bash benchmarks/device_run.sh OUTDIR [tests] [stress] [bench] [trace] [trace_seconds=N]
+#
+# Run from a tree laid out like this repository (tools/kernel_harness, benchmarks/, the overlay)
+# with build/fork (the materialized series) and build/base (the pinned base, for the controls).
+# Every phase writes its log / JSON into OUTDIR and runs under a time limit, so partial results
+# survive. Needs torch + triton (+ pytest, hypothesis); no vLLM.
+set -u
+OUT=${1:?usage: device_run.sh OUTDIR phases...}
+shift
+mkdir -p "$OUT"
+TRACE_SECONDS=240
+PHASES=()
+for arg in "$@"; do
+    case "$arg" in
+        trace_seconds=*) TRACE_SECONDS=${arg#trace_seconds=} ;;
+        *) PHASES+=("$arg") ;;
+    esac
+done
+OPS=tests/e2e/nightly/single_node/ops/singlecard_ops/triton
+PY=${PYTHON:-python}
+status=0
+
+{
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || true
+    $PY -c "import torch, triton, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+    $PY -c "import hypothesis, pytest; print('hypothesis', hypothesis.__version__, 'pytest', pytest.__version__)" || true
+} >"$OUT/env.txt" 2>&1
+
+for phase in "${PHASES[@]}"; do
+    case "$phase" in
+        tests)
+            # The series' op tests on the device (fork tree), with a longer fuzz budget.
+            KERNEL_FUZZ_EXAMPLES=${KERNEL_FUZZ_EXAMPLES:-400} timeout 300 $PY -m pytest -p tools.kernel_harness.plugin \
+                --noconftest --kernel-tree build/fork -v -p no:cacheprovider \
+                --junitxml "$OUT/tests_fork.xml" build/fork/$OPS/test_batch_memmove.py \
+                build/fork/$OPS/test_postprocess_mamba_overlap.py >"$OUT/tests_fork.log" 2>&1 || status=1
+            tail -3 "$OUT/tests_fork.log"
+            # Revert proof: the same postprocess test against the base tree's unguarded kernel.
+            timeout 180 $PY -m pytest -p tools.kernel_harness.plugin --noconftest --kernel-tree build/base -v \
+                -p no:cacheprovider --junitxml "$OUT/tests_base_postprocess.xml" \
+                build/fork/$OPS/test_postprocess_mamba_overlap.py >"$OUT/tests_base_postprocess.log" 2>&1
+            echo "base tree (unguarded) postprocess test exit: $? (expected non-zero)"
+            tail -3 "$OUT/tests_base_postprocess.log"
+            ;;
+        stress)
+            timeout 300 $PY benchmarks/stress_memmove.py --json "$OUT/stress_memmove.json" \
+                >"$OUT/stress_memmove.log" 2>&1 || status=1
+            tail -1 "$OUT/stress_memmove.log"
+            ;;
+        bench)
+            timeout 300 $PY benchmarks/copy_paths.py --sweep --json "$OUT/copy_paths.json" \
+                --png "$OUT/copy_paths.png" >"$OUT/copy_paths.log" 2>&1 || status=1
+            grep -v '^host' "$OUT/copy_paths.log" | tail -40
+            ;;
+        trace)
+            timeout $((TRACE_SECONDS + 120)) $PY benchmarks/align_trace_stress.py --seconds "$TRACE_SECONDS" \
+                --backends unguarded,memmove,torch,dropcopy --json "$OUT/align_trace.json" \
+                >"$OUT/align_trace.log" 2>&1 || status=1
+            tail -1 "$OUT/align_trace.log"
+            ;;
+        *) echo "unknown phase $phase"; status=2 ;;
+    esac
+done
+exit $status

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Stage what benchmarks/device_run.sh needs into DEST (e.g. /work/main/.devrun/kernel):
+# the harness, the benchmarks, the overlay, and the kernel/test files of build/fork and build/base.
+set -eu
+DEST=${1:?usage: stage_devrun.sh DEST}
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+OPS=tests/e2e/nightly/single_node/ops/singlecard_ops/triton
+rm -rf "$DEST"
+mkdir -p "$DEST/tools/kernel_harness" "$DEST/benchmarks"
+cp "$SRC/tools/__init__.py" "$DEST/tools/"
+cp "$SRC"/tools/kernel_harness/*.py "$DEST/tools/kernel_harness/"
+cp "$SRC"/benchmarks/*.py "$SRC"/benchmarks/*.sh "$DEST/benchmarks/"
+for tree in fork base; do
+    for f in vllm_ascend/ops/triton/batch_memcpy.py vllm_ascend/ops/triton/batch_memmove.py \
+             vllm_ascend/ops/triton/mamba/postprocess.py $OPS/test_batch_memmove.py \
+             $OPS/test_postprocess_mamba_overlap.py; do
+        if [ -f "$SRC/build/$tree/$f" ]; then
+            mkdir -p "$DEST/build/$tree/$(dirname "$f")"
+            cp "$SRC/build/$tree/$f" "$DEST/build/$tree/$f"
+        fi
+    done
+done
+mkdir -p "$DEST/vllm_ascend/ops/triton"
+cp "$SRC/vllm_ascend/ops/triton/batch_memmove.py" "$DEST/vllm_ascend/ops/triton/"
+find "$DEST" -type f | wc -l

@@ -1,0 +1,56 @@
+"""pytest plugin that runs vllm-ascend's device-generic Triton op tests anywhere.
+
+Upstream's `tests/e2e/conftest.py` imports vLLM's engine, modelscope and needs
+an NPU, so the op tests under `tests/e2e/nightly/single_node/ops/singlecard_ops/
+triton/` are run with `--noconftest` and this plugin instead:
+
+    python -m pytest -p tools.kernel_harness.plugin --noconftest \\
+        --kernel-tree build/fork \\
+        build/fork/tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_batch_memmove.py
+
+It (a) switches to the Triton interpreter (CUDA_VISIBLE_DEVICES="",
+TRITON_INTERPRET=1) when there is no GPU/NPU, before any kernel is imported;
+(b) provides `vllm.triton_utils` when vLLM is not installed; (c) registers light
+`vllm_ascend...` packages pointing at the tree under test so that importing a
+kernel module skips the heavy package `__init__`s. The tree is `--kernel-tree`
+or $KERNEL_TREE (several roots joined with os.pathsep; the first wins).
+"""
+
+from __future__ import annotations
+
+import os
+
+from tools.kernel_harness import loader
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("kernel_harness")
+    group.addoption(
+        "--kernel-tree",
+        default=os.environ.get(loader.TREE_ENV),
+        help="vllm-ascend tree(s) whose kernels are tested (os.pathsep-separated; default $KERNEL_TREE)",
+    )
+
+
+def pytest_configure(config):
+    roots = loader.split_roots(config.getoption("--kernel-tree") or "")
+    try:
+        info = loader.setup(roots)
+    except loader.HarnessError as exc:
+        raise SystemExit(f"kernel_harness: {exc}") from exc
+    config._kernel_harness_info = info
+    # The interpreter converts 1-element arrays with int() on every scalar use.
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def pytest_report_header(config):
+    info = getattr(config, "_kernel_harness_info", None)
+    if not info:
+        return None
+    import triton
+
+    mode = "interpreter (TRITON_INTERPRET=1)" if info["interpreter"] else "device"
+    return (
+        f"kernel_harness: tree={os.pathsep.join(info['roots'])} triton={triton.__version__} "
+        f"mode={mode} vllm.triton_utils={info['triton_utils']}"
+    )

@@ -1,0 +1,48 @@
+"""The triton-ascend front-end check passes the series' kernels and fails a known-bad one.
+
+Runs the real CLI (it creates build/ascend-venv on first use; the kernels compile in it).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+FORK = ROOT / "build" / "fork"
+BROKEN = Path(__file__).with_name("broken_kernels.py")
+
+
+def run(*args):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.kernel_harness.ascend_compile", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    return proc.returncode, proc.stdout
+
+
+@pytest.mark.skipif(not FORK.is_dir(), reason="materialize the fork first: python -m tools.fork apply")
+def test_series_kernels_pass_the_front_end():
+    rc, out = run("--tree", str(ROOT), "--tree", str(FORK))
+    lines = [line for line in out.splitlines() if line.startswith(("OK ", "FAIL ", "SKIP "))]
+    assert rc == 0, out
+    assert len(lines) == 3 and all(line.startswith("OK ") for line in lines), out
+    assert "ConvertLinalgRToBinary" in out
+
+
+def test_pointer_cast_inside_loop_fails():
+    rc, out = run("--tree", str(ROOT), "--only", "batch_memmove", "--extra", f"{BROKEN}:cast_inside_loop_kernel")
+    assert rc == 1, out
+    assert "OK batch_memmove_kernel" in out
+    fail = [line for line in out.splitlines() if line.startswith("FAIL cast_inside_loop_kernel")]
+    assert fail and "ConvertTritonIRToLinalgIR" in fail[0], out
+
+
+def test_missing_kernel_file_fails(tmp_path):
+    (tmp_path / "vllm_ascend" / "ops" / "triton").mkdir(parents=True)
+    rc, out = run("--tree", str(tmp_path), "--only", "batch_memmove")
+    assert rc == 1 and "FAIL batch_memmove_kernel: batch_memmove.py not found" in out, out

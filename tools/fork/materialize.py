@@ -67,6 +67,9 @@ def create_base(source: upstream.Source, tree: Path) -> str:
     try:
         upstream.extract(source, tree)
         git.run(["init", "-q", "-b", BRANCH], tree)
+        # Commit messages carry upstream's `### ...` PR sections: with git's default comment
+        # character, editing a message (reword, squash) would silently strip them.
+        git.run(["config", "core.commentChar", ";"], tree)
         return commit_release(source, tree)
     except BaseException:
         shutil.rmtree(tree, ignore_errors=True)

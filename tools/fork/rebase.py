@@ -342,6 +342,7 @@ def _setup(cfg, work: Path, old_pin: str, old_patches, version: str, source, tar
     git.run(["fetch", "-q", str(old_tree), f"refs/tags/{base_tag(old_pin)}:refs/tags/{base_tag(old_pin)}"], tree)
     git.run(["update-ref", OLD_REF, f"refs/heads/{materialize.BRANCH}"], tree)
     git.run(["remote", "remove", "origin"], tree)
+    git.run(["config", "core.commentChar", ";"], tree)  # keep `### ...` PR sections when messages are edited
     if old_tree.parent == work:
         shutil.rmtree(old_tree)
     # The new release: a root commit on an unborn branch, which becomes `fork`.

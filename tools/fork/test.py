@@ -59,6 +59,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--env-only", action="store_true", help="build/check the test environment and stop")
     p.add_argument(
+        "--bisect",
+        action="store_true",
+        help="for each prefix of the series: apply it, run upstream's CPU suite and the kernel op tests it adds",
+    )
+    p.add_argument(
         "--kernels-only",
         action="store_true",
         help="only the Triton kernel checks: op tests under the interpreter, harness tests, triton-ascend compile",
@@ -506,6 +511,54 @@ def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str]) 
     return steps
 
 
+def bisect(cfg, tenv: testenv.TestEnv, base, ignores: list[str]) -> int:
+    """Bisectability: each prefix of the series applies, and upstream's CPU suite on it loses no
+    test that passes on the base while every test file the prefix adds passes (~1 min a prefix)."""
+    version = base.version
+    patches = series.read(cfg, version)
+    pytest_args = ut_pytest_args(ignores, None, [])
+    cache = tenv.results_dir / f"base-{version}-{base_cache_key(base.sha256, tenv, pytest_args)[:16]}.xml"
+    base_run = load_cached(cache)
+    if base_run is None:
+        _materialize(cfg, version, cfg.default_base_dir(version), [])
+        base_run = run_suite(tenv, cfg.default_base_dir(version), version, "base", pytest_args)
+        store_cached(base_run, cache)
+    failed = []
+    for k in range(1, len(patches) + 1):
+        tree = (cfg.build_dir / "bisect" / f"prefix-{k}").resolve()
+        print(f"\nfork test: --bisect prefix {k}/{len(patches)}: {patches[k - 1].name}")
+        materialize(tree, lambda: upstream.resolve(cfg, version), version, patches[:k], force=True)
+        added = subprocess.run(
+            ["git", "diff", "--name-only", "--diff-filter=A", f"v{version}", "HEAD", "--", "tests"],
+            cwd=tree, capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        added = [f for f in added if is_test_file(f)]
+        run = run_suite(tenv, tree, version, f"prefix-{k}", pytest_args)
+        cmp = compare(base_run.results, run.results, [f for f in added if f.startswith(UT_DIR + "/")])
+        ok = not (cmp.regressions or cmp.lost or cmp.fork_added_bad)
+        print(
+            f"fork test: prefix {k}: suite {_fmt_counts(counts(run.results))}; {len(cmp.regressions)} regressed, "
+            f"{len(cmp.lost)} lost, {len(cmp.fork_added_bad)} added test(s) not passing"
+        )
+        ops = [f for f in added if f.startswith(KERNEL_TEST_DIR + "/")]
+        if ops:
+            junit = tenv.results_dir / f"prefix-{k}-kernel.xml"
+            junit.unlink(missing_ok=True)
+            step = _run_step(
+                f"prefix {k} kernel op tests",
+                *kernel_test_command(tenv, cfg.root, tree, ops, junit),
+                junit,
+                allow_skips=False,
+                may_skip=cuda_only_control,
+            )
+            print(f"fork test: prefix {k}: kernel op tests {step.status} [{_fmt_counts(step.counts)}]")
+            ok = ok and not step.failed
+        if not ok:
+            failed.append(patches[k - 1].name)
+    print("fork test: --bisect: " + ("every prefix passes" if not failed else f"FAILED at: {', '.join(failed)}"))
+    return EXIT_FAILED if failed else 0
+
+
 def _materialize(cfg, version: str, tree: Path, patches) -> None:
     outcome = materialize(tree.resolve(), lambda: upstream.resolve(cfg, version), version, patches)
     print(f"fork test: {tree}: vllm-ascend {version} + {len(patches)} patch(es): {outcome}")
@@ -549,6 +602,8 @@ def run(args, cfg) -> int:
     for ex, paths in resolved:
         if not paths:
             print(f"fork test: note: {EXCLUSIONS_FILE}:{ex.lineno} {ex.pattern} matches nothing in {fork_tree}")
+    if args.bisect:
+        return bisect(cfg, tenv, base, ignores)
     pytest_args = ut_pytest_args(ignores, args.keyword, args.pytest_args or [])
     print(f"fork test: excluding {len(ignores)} path(s) routed to NPU runners ({EXCLUSIONS_FILE})")
 

@@ -25,8 +25,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from vllm_ascend.ops.triton.batch_memcpy import batch_memcpy_kernel
 
+from vllm_ascend.ops.triton.batch_memcpy import batch_memcpy_kernel
 from vllm_ascend.ops.triton.batch_memmove import DEFAULT_BLOCK_SIZE, NPU_BLOCK_SIZE, batch_memmove
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+
 from vllm_ascend.ops.triton.mamba.postprocess import postprocess_mamba_fused_kernel
 
 

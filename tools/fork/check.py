@@ -10,7 +10,6 @@ fork's tests (`python -m tools.fork test --base VERSION`) on each base checked.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -158,11 +157,8 @@ def series_file_problems(cfg: ForkConfig) -> list[str]:
     return problems
 
 
-def run_fork_tests(cfg: ForkConfig, version: str) -> int | None:
-    """Run the fork's tests on a base through the `test` verb (the test runner); None when it is absent."""
-    if importlib.util.find_spec("tools.fork.test") is None:
-        print(f"fork: note: tools/fork/test.py is absent: the fork's tests were NOT run on {version}", flush=True)
-        return None
+def run_fork_tests(cfg: ForkConfig, version: str) -> int:
+    """Run the fork's tests on a base through the `test` verb; its exit code."""
     cmd = [sys.executable, "-m", "tools.fork", "-C", str(cfg.root), "test", "--base", version]
     print(f"fork: running the fork's tests on {version}: {' '.join(cmd[1:])}", flush=True)
     return subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2]).returncode

@@ -16,34 +16,17 @@
 #
 """GLM53_BATCH_MEMCPY (fork-only deployment alias) against VLLM_ASCEND_MAMBA_COPY_BACKEND."""
 
-import contextlib
 import importlib
 
 import pytest
 from vllm.v1.worker import mamba_utils
 
 import vllm_ascend.patch.worker.patch_mamba_utils as patch_mamba_utils
+from tests.ut.worker.mamba_copy_testing import restored_bindings
 from vllm_ascend.worker import mamba_state_copy as msc
 from vllm_ascend.worker.mamba_copy_env_alias import ALIAS_NAME, mamba_copy_backend_from_env
 
 ENV_NAME = msc.ENV_NAME
-
-
-@contextlib.contextmanager
-def restored_bindings():
-    """Undo every binding a test (or a reload of patch_mamba_utils) makes."""
-    saved_vllm_module = dict(vars(mamba_utils))
-    saved_create = vars(mamba_utils.MambaCopyBuffers)["create"]
-    saved_patch_module = dict(vars(patch_mamba_utils))  # a reload re-executes into the same dict
-    saved_backend = msc._active_backend
-    try:
-        yield
-    finally:
-        vars(mamba_utils).update(saved_vllm_module)
-        mamba_utils.MambaCopyBuffers.create = saved_create
-        vars(patch_mamba_utils).clear()
-        vars(patch_mamba_utils).update(saved_patch_module)
-        msc._active_backend = saved_backend
 
 
 def _env(alias, upstream):

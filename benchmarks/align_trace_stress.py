@@ -1,6 +1,6 @@
 """Align-mode trace stress: simulated scheduler steps through each Mamba state copy path.
 
-    python benchmarks/align_trace_stress.py --json benchmarks/results/align_trace_h200.json
+    python benchmarks/align_trace_stress.py --json benchmarks/results/h200_run4/align_trace.json
     python benchmarks/align_trace_stress.py --smoke          # CPU interpreter, a few steps
 
 A small model of vLLM's align mode (mamba_cache_mode="align", prefix caching, speculative

@@ -2,7 +2,7 @@
 
     python benchmarks/copy_paths.py                      # CUDA or NPU: full run
     python benchmarks/copy_paths.py --smoke              # CPU, Triton interpreter, tiny shapes
-    python benchmarks/copy_paths.py --plot-only benchmarks/results/copy_paths_h200.json
+    python benchmarks/copy_paths.py --plot-only benchmarks/results/h200_run4/copy_paths.json
 
 Backends (one batch = every copy of one align-mode step):
   unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
@@ -278,7 +278,7 @@ def host_cost(torch, requests=64, layers=36, reps=3):
                     off += 1
         return off
 
-    # Per-layer numpy address arithmetic: the lever FACTS.md names (not what upstream does today).
+    # Per-layer numpy address arithmetic: vectorized per layer (not what upstream does today).
     bases = np.array([[p.data_ptr() for p in layer] for layer in pools], dtype=np.int64)
     strides = np.array([[p.stride(0) * p.element_size() for p in layer] for layer in pools], dtype=np.int64)
     conv_row = CONV_DIM * 2

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage what benchmarks/device_run.sh needs into DEST (e.g. /work/main/.devrun/kernel):
+# Stage what benchmarks/device_run.sh needs into DEST (a folder inside this repository that git ignores, e.g. .devrun/kernel, so that a device run can carry it):
 # the harness, the benchmarks, the overlay, and the kernel/test files of build/fork and build/base.
 set -eu
 DEST=${1:?usage: stage_devrun.sh DEST}

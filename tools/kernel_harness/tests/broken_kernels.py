@@ -1,4 +1,4 @@
-"""Kernels that triton-ascend's front end is known to reject (FACTS.md); used to prove the
+"""Kernels that triton-ascend's front end is known to reject (a pointer cast inside the loop crashes triton-adapter-opt); used to prove the
 ascend compile check can fail. Not product code."""
 
 from vllm.triton_utils import tl, triton

@@ -1,5 +1,5 @@
-"""Kernels that triton-ascend's front end is known to reject (a pointer cast inside the loop crashes triton-adapter-opt); used to prove the
-ascend compile check can fail. Not product code."""
+"""Kernels that triton-ascend's front end is known to reject (a pointer cast inside the loop crashes
+triton-adapter-opt); used to prove the ascend compile check can fail. Not product code."""
 
 from vllm.triton_utils import tl, triton
 

@@ -6,9 +6,17 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
-
 from tools.fork.errors import BadInput
+
+# tomllib is 3.11+. On 3.10: tomli (tools/requirements.txt), else the copy pip vendors (pip 21.2+),
+# which every environment `deploy` runs in has: an image's Python is used as it is.
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    try:
+        import tomli as tomllib  # type: ignore[no-redef]
+    except ModuleNotFoundError:
+        from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,9 @@
 # If the engine cannot run, this step fails loudly: there is no skip.
 #
 #   usage: .ci/image.sh            environment: PYTHON (default build/tools-venv/bin/python, else python3)
-#          FORK_IMAGE_PIP_COMPILE=1  the stand-in's pip compiles bytecode at install (listed in RECORD)
+#          FORK_IMAGE_PIP_COMPILE=1  the stand-in's pip compiles bytecode at install (listed in RECORD).
+#              Today this fails the byte-for-byte check, and only because `deploy --revert` does not
+#              restore pip-compiled .pyc files (issue 14); make it the default once that is fixed.
 #          FORK_IMAGE_KEEP=1         keep the test stage's image (default: removed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +31,7 @@ die() {
     {
         printf '\n%s\n' "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
         printf 'image: FAILED: %s\n' "$*"
-        printf 'image: the deploy image was NOT built and tested in a container engine. CI fails.\n'
+        printf 'image: CI fails: the deploy image was not built, or did not pass its test, in a container engine.\n'
         printf '%s\n\n' "!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"
     } >&2
     exit 1
@@ -150,6 +152,9 @@ PY
         --build-arg STANDIN_PIP_COMPILE="$COMPILE" -t "$STANDIN" "$ctx" >/dev/null ||
         { rm -rf "$ctx"; die "building the stand-in image failed"; }
     rm -rf "$ctx"
+    for stale in $(podman images --format '{{.Repository}}:{{.Tag}}' "$PREFIX/standin" | grep -F ":$PIN-" | grep -vxF "$STANDIN"); do
+        podman rmi "$stale" >/dev/null 2>&1 || true  # an older recipe of this pin
+    done
     lap "built the stand-in $STANDIN"
 fi
 
@@ -159,7 +164,7 @@ cmp -s "$SDIST_PATH" ".fork-cache/sdists/$SDIST" || cp "$SDIST_PATH" ".fork-cach
 DEPLOY="$PREFIX/deploy:$PIN"
 old_deploy="$(podman image inspect --format '{{.Id}}' "$DEPLOY" 2>/dev/null || true)"
 say "podman build -f docker/Dockerfile.deploy --build-arg VLLM_ASCEND_IMAGE=$STANDIN --build-arg FORK_DEPLOY_OPTIONS=\"--base $PIN\" ..."
-"${BUILD[@]}" --no-cache -f docker/Dockerfile.deploy \
+"${BUILD[@]}" --no-cache --layers=false -f docker/Dockerfile.deploy \
     --build-arg VLLM_ASCEND_IMAGE="$STANDIN" --build-arg FORK_DEPLOY_OPTIONS="--base $PIN" \
     -t "$DEPLOY" . || die "podman build -f docker/Dockerfile.deploy failed"
 new_deploy="$(podman image inspect --format '{{.Id}}' "$DEPLOY")"
@@ -168,7 +173,7 @@ lap "built $DEPLOY"
 
 # --- 4. the test stage: verify, revert, byte for byte ---------------------------------------------
 TEST="$PREFIX/deploy-test:$PIN"
-"${BUILD[@]}" --no-cache -f .ci/image/test.Containerfile --build-arg DEPLOY_IMAGE="$DEPLOY" -t "$TEST" . ||
+"${BUILD[@]}" --no-cache --layers=false -f .ci/image/test.Containerfile --build-arg DEPLOY_IMAGE="$DEPLOY" -t "$TEST" . ||
     die "the test stage FROM $DEPLOY failed (deploy --verify, deploy --revert or the byte-for-byte check)"
 [ "${FORK_IMAGE_KEEP:-0}" = 1 ] || podman rmi -f "$TEST" >/dev/null 2>&1 || true
 lap "test stage passed"

@@ -88,8 +88,8 @@ def check(base: dict) -> int:
         elif rel not in old:
             problems.append((rel, "added"))
         elif old[rel] != new[rel]:
-            diff = ", ".join(f"{k} {old[rel].get(k)} -> {new[rel].get(k)}" for k in sorted(set(old[rel]) | set(new[rel]))
-                             if old[rel].get(k) != new[rel].get(k))  # fmt: skip
+            keys = sorted(k for k in set(old[rel]) | set(new[rel]) if old[rel].get(k) != new[rel].get(k))
+            diff = ", ".join(f"{k} {old[rel].get(k)} -> {new[rel].get(k)}" for k in keys)
             problems.append((rel, f"changed: {diff}"))
     if not problems:
         n = sum(1 for e in new.values() if e["type"] == "file")
@@ -98,12 +98,12 @@ def check(base: dict) -> int:
         return 0
     for rel, why in problems:
         print(f"manifest: MISMATCH {rel}: {why}")
-    print(f"manifest: {len(problems)} difference(s) from the stand-in image before the deploy", file=sys.stderr)
+    print(f"manifest: {len(problems)} difference(s) from the stand-in image before the deploy")
     recorded = _record_rows(Path(base["site_packages"]), old)
     pyc = [rel for rel, why in problems if rel.endswith(".pyc") and why == "missing" and rel in recorded]
     if pyc and len(pyc) == len([p for p in problems if not p[0].endswith("__pycache__")]):
         print("manifest: every difference is pip-compiled bytecode listed in RECORD that the revert did not "
-              "restore (a known deploy --revert bug)", file=sys.stderr)  # fmt: skip
+              "restore (a known deploy --revert bug)")  # fmt: skip
     return 1
 
 

@@ -8,15 +8,15 @@ from pathlib import Path
 
 from tools.fork.errors import BadInput
 
-# tomllib is 3.11+. On 3.10: tomli (tools/requirements.txt), else the copy pip vendors (pip 21.2+),
-# which every environment `deploy` runs in has: an image's Python is used as it is.
+# tomllib is 3.11+. On 3.10: tomli (tools/requirements.txt); where an image's Python, used as it
+# is, has neither: a strict reader of the TOML fork.toml uses (tools/fork/minitoml.py).
 try:
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     try:
         import tomli as tomllib  # type: ignore[no-redef]
     except ModuleNotFoundError:
-        from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
+        from tools.fork import minitoml as tomllib  # type: ignore[no-redef]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

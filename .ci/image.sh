@@ -147,7 +147,7 @@ for k, v in sorted(conf.items()):
     print(f"{k} = {v}")
 PY
     say "building the stand-in $STANDIN (vllm-ascend $PIN from its sdist, pip $COMPILE) ..."
-    "${BUILD[@]}" -q -f "$ROOT/.ci/image/standin.Containerfile" \
+    "${BUILD[@]}" -q --layers=false -f "$ROOT/.ci/image/standin.Containerfile" \
         --build-arg BASE="$ROOTFS_IMAGE" --build-arg STANDIN_SDIST="$SDIST" --build-arg STANDIN_VERSION="$PIN" \
         --build-arg STANDIN_PIP_COMPILE="$COMPILE" -t "$STANDIN" "$ctx" >/dev/null ||
         { rm -rf "$ctx"; die "building the stand-in image failed"; }

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := build/tools-venv
 FORK := $(VENV)/bin/python -m tools.fork
 
-.PHONY: fork test check lint status clean
+.PHONY: fork test image check lint status clean
 
 # Get and verify the pinned base, apply patches/, build the fork's wheel, print a summary.
 fork: $(VENV)/.stamp
@@ -15,6 +15,11 @@ fork: $(VENV)/.stamp
 test: $(VENV)/.stamp
 	$(FORK) check
 	$(FORK) test
+
+# Build docker/Dockerfile.deploy with podman on a stand-in of the pinned release's image; verify,
+# revert and compare inside it (.ci/image.sh; installs podman and debootstrap when missing).
+image: $(VENV)/.stamp
+	PYTHON=$(VENV)/bin/python .ci/image.sh
 
 check: $(VENV)/.stamp
 	$(FORK) check

@@ -6,9 +6,17 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
-
 from tools.fork.errors import BadInput
+
+# tomllib is 3.11+. On 3.10: tomli (tools/requirements.txt); where an image's Python, used as it
+# is, has neither: a strict reader of the TOML fork.toml uses (tools/fork/minitoml.py).
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    try:
+        import tomli as tomllib  # type: ignore[no-redef]
+    except ModuleNotFoundError:
+        from tools.fork import minitoml as tomllib  # type: ignore[no-redef]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fork import git
+from tools.fork import git, safetar
 from tools.fork.config import Base, ForkConfig, cache_dir
 from tools.fork.errors import BadInput, UpstreamUnavailable
 
@@ -145,7 +145,13 @@ def extract(source: Source, dest: Path) -> None:
                 if not m.name.startswith(prefix):
                     raise UpstreamUnavailable(f"{source.sdist}: unexpected member {m.name}")
                 m.name = m.name[len(prefix) :]
-            tar.extractall(dest, members=[m for m in members if m.name], filter="data")
+                if m.islnk() and m.linkname.startswith(prefix):  # hard links name archive paths
+                    m.linkname = m.linkname[len(prefix) :]
+            # Not extractall(filter="data"): Pythons before 3.11.4 / 3.10.12 lack it (bookworm: 3.11.2).
+            try:
+                safetar.extract_members(tar, dest, [m for m in members if m.name])
+            except safetar.UnsafeArchive as exc:
+                raise UpstreamUnavailable(f"{source.sdist}: {exc}") from None
     else:
         assert source.checkout is not None
         if git.is_repo(source.checkout):

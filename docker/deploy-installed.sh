@@ -12,7 +12,7 @@ PYTHON="${1:-python3}"
 [ $# -gt 0 ] && shift
 cd "$(dirname "$0")/.."
 # -I: never the fork repository's own vllm_ascend/ (the files the fork adds) from the working directory.
-PKG="$("$PYTHON" -I -c 'import importlib.util as u; print(u.find_spec("vllm_ascend").submodule_search_locations[0])')"
+PKG="$("$PYTHON" -I -c 'import importlib.util as u, sys; s = u.find_spec("vllm_ascend"); print(s.submodule_search_locations[0]) if s else sys.exit(sys.executable + " has no vllm_ascend: install vllm-ascend into it first")')"
 echo "deploy-installed: $PYTHON imports vllm_ascend from $PKG"
 "$PYTHON" -m tools.fork ${FORK_REPO:+-C "$FORK_REPO"} deploy --to "$PKG" "$@"
 "$PYTHON" -m tools.fork ${FORK_REPO:+-C "$FORK_REPO"} deploy --verify "$PKG" "$@"

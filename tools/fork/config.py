@@ -6,9 +6,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
+from tools.fork.errors import EXIT_TOOLS_ENV, BadInput, ForkError
 
-from tools.fork.errors import BadInput
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli (tools/requirements.txt), else the copy pip vendors
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        try:
+            from pip._vendor import tomli as tomllib
+        except ImportError:
+            tomllib = None
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,6 +102,11 @@ def _base(entry: dict, where: str) -> Base:
 
 def load(root: Path = REPO_ROOT) -> ForkConfig:
     path = root / "fork.toml"
+    if tomllib is None:
+        raise ForkError(
+            "reading fork.toml on Python 3.10 needs tomli: `pip install tomli`, or use build/tools-venv/bin/python",
+            EXIT_TOOLS_ENV,
+        )
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:

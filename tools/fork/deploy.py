@@ -48,7 +48,9 @@ CHECKOUT_STATE = "fork-deploy.json"  # in the checkout's .git/
 MANIFEST_FORMAT = 1
 # Where the installed package is, without importing it (the Dockerfile and docs/deploy.md use this too).
 FIND_PACKAGE = (
-    "python3 -I -c 'import importlib.util as u; print(u.find_spec(\"vllm_ascend\").submodule_search_locations[0])'"
+    'python3 -I -c \'import importlib.util as u, sys; s = u.find_spec("vllm_ascend"); '
+    "print(s.submodule_search_locations[0]) if s else "
+    'sys.exit(sys.executable + " has no vllm_ascend: install vllm-ascend into it first")\''
 )
 
 
@@ -56,11 +58,19 @@ class AlreadyDeployed(BadInput):
     """The target already carries the fork (a backup exists, or the fork's content is there)."""
 
 
+def _target_path(text: str) -> Path:
+    if not text.strip():  # e.g. "$PKG" when the command that should have found the package failed
+        raise BadInput("the PATH given to --to/--verify/--revert is empty: nothing to deploy into")
+    return Path(text)
+
+
 def add_arguments(p) -> None:
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--to", type=Path, metavar="PATH", help="deploy the series into PATH")
-    what.add_argument("--verify", type=Path, metavar="PATH", help="check PATH has the fork's content; exit 1 if not")
-    what.add_argument("--revert", type=Path, metavar="PATH", help="restore what `deploy --to PATH` changed")
+    what.add_argument("--to", type=_target_path, metavar="PATH", help="deploy the series into PATH")
+    what.add_argument(
+        "--verify", type=_target_path, metavar="PATH", help="check PATH has the fork's content; exit 1 if not"
+    )
+    what.add_argument("--revert", type=_target_path, metavar="PATH", help="restore what `deploy --to PATH` changed")
     p.add_argument(
         "--base",
         metavar="VERSION",
@@ -171,7 +181,7 @@ def find_target(path: Path) -> Target:
     else:
         raise BadInput(
             f"{path} is neither a vllm-ascend git checkout nor an installed vllm_ascend package directory "
-            f"(no {PACKAGE}/__init__.py). Find the installed one with:\n  {FIND_PACKAGE}"
+            f"(no {PACKAGE}/__init__.py); find the installed one with: {FIND_PACKAGE}"
         )
     target = Target("package", root)
     target.dist_info = _owning_dist_info(root)

@@ -842,7 +842,7 @@ def _remove(lines: list[str], start: int, end: int) -> None:
 
 def updated_fork_toml(cfg: ForkConfig, st: State, kept: list[Base], renamed: dict[str, str], removed: list[str]) -> str:
     """fork.toml with the new pin, the new support matrix and the patch entries renamed; checked by parsing."""
-    import tomllib
+    from tools.fork.config import tomllib
 
     text = cfg.toml_path.read_text()
     lines = text.splitlines()

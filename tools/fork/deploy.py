@@ -404,16 +404,23 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
         )
     record = None
     changes = StagedWrite()
-    for ch in changing:
+    pycache = []  # compiled files of the changed modules: stale once the source changes, so removed,
+    for ch in changing:  # and kept in the backup, so that --revert puts back every byte (and folder)
         if result[ch.path] is None:
             changes.delete(target.file(ch.path))
         else:
             changes.write(target.file(ch.path), result[ch.path])
         for pyc in _pycache(target.file(ch.path)):
+            rel = pyc.relative_to(target.root).as_posix()
+            data = pyc.read_bytes()
+            backup.write(target.backup / "original" / rel, data)
+            pycache.append({"path": rel, "sha256": sha256(data)})
             changes.delete(pyc)
-    backup_files = [f"{BACKUP_DIR}/{MANIFEST}"] + [
-        f"{BACKUP_DIR}/original/{ch.path}" for ch in changing if ch.base is not None
-    ]
+    backup_files = (
+        [f"{BACKUP_DIR}/{MANIFEST}"]
+        + [f"{BACKUP_DIR}/original/{ch.path}" for ch in changing if ch.base is not None]
+        + [f"{BACKUP_DIR}/original/{p['path']}" for p in pycache]
+    )
     if target.dist_info is not None:
         rec_path = target.dist_info / "RECORD"
         rec_rel = rec_path.relative_to(target.root).as_posix()
@@ -434,6 +441,7 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
         "package": PACKAGE,
         "series": [[p.name, p.sha256] for p in exp.patches],
         "files": files,
+        "pycache": pycache,
         "record": record,
     }
     backup.write(target.backup / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -485,9 +493,16 @@ def revert_package(target: Target, *, force: bool = False) -> list[str]:
             if sha256(original) != f["original_sha256"]:
                 raise ForkError(f"backup of {f['path']} in {target.backup} is damaged (sha256 mismatch); not reverting")
             restore.write(path, original)
-        for pyc in _pycache(path):
+        for pyc in _pycache(path):  # compiled since the deploy, or left by an interrupted one
             restore.delete(pyc)
         done.append(f"{'restored' if f['original_sha256'] else 'removed'} {f['path']}")
+    for p in manifest.get("pycache", []):  # the compiled files pip installed, as they were
+        original = (target.backup / "original" / p["path"]).read_bytes()
+        if sha256(original) != p["sha256"]:
+            raise ForkError(f"backup of {p['path']} in {target.backup} is damaged (sha256 mismatch); not reverting")
+        restore.write(target.root / p["path"], original)
+    if manifest.get("pycache"):
+        done.append(f"restored {len(manifest['pycache'])} compiled file(s) (__pycache__)")
     record = manifest.get("record")
     if record:
         path = target.root / record["path"]

@@ -4,7 +4,7 @@
 # it against a real pip-installed vllm-ascend: the image build and the test run the same commands.
 #
 #   usage: docker/deploy-installed.sh [PYTHON [DEPLOY OPTIONS]]
-#     PYTHON           the interpreter that serves (default python3); 3.11 or newer (tomllib)
+#     PYTHON           the interpreter that serves (default python3); 3.10 or newer
 #     DEPLOY OPTIONS   passed to `deploy --to` and `deploy --verify`: --base VERSION, --sdist FILE
 #     FORK_REPO=DIR    the fork repository whose series is deployed (default: the one holding this script)
 set -eu

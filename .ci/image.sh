@@ -15,9 +15,9 @@
 # If the engine cannot run, this step fails loudly: there is no skip.
 #
 #   usage: .ci/image.sh            environment: PYTHON (default build/tools-venv/bin/python, else python3)
-#          FORK_IMAGE_PIP_COMPILE=1  the stand-in's pip compiles bytecode at install (listed in RECORD).
-#              Today this fails the byte-for-byte check, and only because `deploy --revert` does not
-#              restore pip-compiled .pyc files (issue 14); make it the default once that is fixed.
+#          FORK_IMAGE_PIP_COMPILE=0  the stand-in's pip writes no bytecode at install (default 1: it
+#              compiles, listed in RECORD, as a wheel install into an image does; the revert must give
+#              those .pyc files back too).
 #          FORK_IMAGE_KEEP=1         keep the test stage's image (default: removed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -115,8 +115,8 @@ else
 fi
 
 # --- 2b. the stand-in: vllm-ascend==PIN installed from its sdist ----------------------------------
-COMPILE=--no-compile
-[ "${FORK_IMAGE_PIP_COMPILE:-0}" = 1 ] && COMPILE=--compile
+COMPILE=--compile
+[ "${FORK_IMAGE_PIP_COMPILE:-1}" = 0 ] && COMPILE=--no-compile
 RECIPE_KEY="$( { cat .ci/image/standin.Containerfile .ci/image/manifest.py; echo "$ROOTFS_IMAGE $PIN $COMPILE"; sha256sum "$SDIST_PATH" | cut -d' ' -f1; } | sha256sum | cut -c1-12)"
 STANDIN="$PREFIX/standin:$PIN-$RECIPE_KEY"
 if podman image exists "$STANDIN"; then

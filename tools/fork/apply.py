@@ -7,9 +7,11 @@ it refuses to discard edits made in the tree (export them first, or --force).
 
 from __future__ import annotations
 
+import tarfile
 from pathlib import Path
 
 from tools.fork import series, upstream
+from tools.fork.errors import BadInput
 from tools.fork.materialize import materialize
 
 HELP = __doc__
@@ -35,8 +37,22 @@ def add_source_arguments(p) -> None:
     )
 
 
+def check_named_source(args) -> None:
+    """A source the user named is checked even when the tree is up to date and would not need it."""
+    if args.sdist is not None:
+        if not args.sdist.is_file():
+            raise BadInput(f"--sdist {args.sdist}: {'not a file' if args.sdist.exists() else 'no such file'}")
+        try:
+            is_archive = tarfile.is_tarfile(args.sdist)
+        except OSError as exc:
+            raise BadInput(f"--sdist {args.sdist}: cannot read it ({exc.strerror or exc})") from None
+        if not is_archive:
+            raise BadInput(f"--sdist {args.sdist}: not an sdist (not a .tar.gz archive)")
+
+
 def run(args, cfg) -> int:
     base = cfg.base(args.base)
+    check_named_source(args)
     if args.base_only:
         patches = []
         tree = args.into or cfg.default_base_dir(base.version)
@@ -46,10 +62,13 @@ def run(args, cfg) -> int:
     sources = []
 
     def source():
-        sources.append(upstream.resolve(cfg, base.version, sdist=args.sdist, checkout=args.checkout))
+        if not sources:
+            sources.append(upstream.resolve(cfg, base.version, sdist=args.sdist, checkout=args.checkout))
         return sources[-1]
 
-    outcome = materialize(tree.resolve(), source, base.version, patches, force=args.force)
+    if args.sdist is not None or args.checkout is not None:
+        source()  # verify it now (sha256, or the checkout's version), used or not
+    outcome = materialize(tree.resolve(), source, base.version, patches, force=args.force, repo=cfg.root)
     verified = f" ({sources[0].verified})" if sources else ""
     print(f"fork apply: {tree}: vllm-ascend {base.version}{verified} + {len(patches)} patch(es): {outcome}")
     return 0

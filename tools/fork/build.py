@@ -37,6 +37,8 @@ def _stamp(cfg, tree: Path, env: dict) -> str:
 
 
 def run(args, cfg) -> int:
+    if importlib.util.find_spec("setuptools_scm") is None:  # the wheel's version; say so before any work
+        raise ModuleNotFoundError("build needs setuptools-scm", name="setuptools_scm")
     dist = (args.dist or cfg.root / "dist").resolve()
     tree = wheel.materialized_pin(cfg)
     env, notes = wheel.build_environment(cfg)

@@ -1,4 +1,9 @@
-"""Command line: `python -m tools.fork VERB [options]`, one module per verb."""
+"""Command line: `python -m tools.fork VERB [options]`, one module per verb.
+
+Runs with a plain `python3` (3.10-3.12) and git: no verb module imports a package outside the
+standard library at module level. What needs the tools environment (setuptools-scm, wheel,
+pytest: build/tools-venv, made by `make`) says so in one line and exits with EXIT_TOOLS_ENV.
+"""
 
 from __future__ import annotations
 
@@ -7,61 +12,92 @@ import importlib
 import sys
 from pathlib import Path
 
-from tools.fork import config
-from tools.fork.errors import EXIT_CODES_HELP, EXIT_FAILED, ForkError
+from tools.fork.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, ForkError
 
-# verb -> module under tools.fork; each has HELP, add_arguments(parser), run(args, cfg) -> int
+# verb -> (module under tools.fork, one-sentence summary for `--help`);
+# each module has HELP, add_arguments(parser), run(args, cfg) -> int
 VERBS = {
-    "apply": "apply",
-    "check": "check",
-    "export": "export",
-    "build": "build",
-    "test": "test",
-    "rebase": "rebase",
-    "deploy": "deploy",
-    "pr": "pr",
-    "status": "status",
+    "apply": ("apply", "Materialize the fork in build/fork: the base release, then the series with git am."),
+    "check": ("check", "Check that the series applies exactly, matches the overlay and follows the conventions."),
+    "export": ("export", "Write patches/, patches/series and the overlay from build/fork."),
+    "build": ("build", "Build the fork's vllm-ascend wheel into dist/."),
+    "test": ("test", "Run upstream's CPU suite on base and fork, the kernel checks and the tooling's tests."),
+    "rebase": ("rebase", "Move the series onto another vllm-ascend release."),
+    "deploy": ("deploy", "Deploy the fork into an installed vllm-ascend or a checkout, verify it, revert it."),
+    "pr": ("pr", "Print a patch of the series as an upstream pull request."),
+    "status": ("status", "Summarize the pin, the series, build/fork and the wheel."),
 }
 
+# Importable only in the tools environment (tools/requirements.txt); tomli: Python 3.10's TOML reader.
+TOOLS_ENV_MODULES = {"setuptools", "setuptools_scm", "wheel", "pytest", "tomli", "_pytest"}
+TOOLS_ENV_HINT = (
+    "run `make build/tools-venv/.stamp` and use build/tools-venv/bin/python -m tools.fork "
+    "(or pip install -r tools/requirements.txt into this Python)"
+)
 
-def _parser(modules: dict) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+
+class _Parser(argparse.ArgumentParser):
+    def exit(self, status=0, message=None):  # argparse's usage errors: our documented code for bad input
+        if message:
+            self._print_message(message, sys.stderr)
+        sys.exit(EXIT_BAD_INPUT if status == 2 else status)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = _Parser(
         prog="python -m tools.fork",
         description="Materialize, check, export, build, test, rebase, deploy and upstream the fork's patch series.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "-C", dest="root", type=Path, default=config.REPO_ROOT, help="the fork repository (default: this one)"
-    )
-    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    for verb, module in modules.items():
+    parser.add_argument("-C", dest="root", type=Path, default=None, help="the fork repository (default: this one)")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=_Parser)
+    subparsers = {}
+    for verb, (name, summary) in VERBS.items():
+        module = importlib.import_module(f"tools.fork.{name}")
         p = sub.add_parser(
             verb,
-            help=module.HELP.splitlines()[0],
+            help=summary,
             description=module.HELP,
             epilog=EXIT_CODES_HELP,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(p)
-    return parser
+        subparsers[verb] = p
+    return parser, subparsers
+
+
+def tools_env_missing(exc: ModuleNotFoundError) -> str | None:
+    """The one-line message for a module only the tools environment has, else None."""
+    top = (exc.name or "").split(".")[0]
+    if top not in TOOLS_ENV_MODULES:
+        return None
+    return f"this needs the Python package {top!r}, which {sys.executable} lacks: {TOOLS_ENV_HINT}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    modules = {}
-    for verb, name in VERBS.items():
-        try:
-            modules[verb] = importlib.import_module(f"tools.fork.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"tools.fork.{name}":
-                raise
-    args = _parser(modules).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    verb = next((a for a in argv if a in VERBS), "?")  # for messages raised while parsing
     try:
-        cfg = config.load(args.root.resolve())
-        return modules[args.verb].run(args, cfg)
+        parser, subparsers = _parser()
+        args, extra = parser.parse_known_args(argv)
+        verb = args.verb
+        if extra:  # unknown options on a verb: that verb's usage, not the top level's
+            subparsers[verb].error(f"unrecognized arguments: {' '.join(extra)}")
+        from tools.fork import config
+
+        root = args.root if args.root is not None else config.REPO_ROOT
+        cfg = config.load(root.resolve())
+        return importlib.import_module(f"tools.fork.{VERBS[verb][0]}").run(args, cfg)
     except ForkError as exc:
-        print(f"fork {args.verb}: error: {exc}", file=sys.stderr)
+        print(f"fork {verb}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except ModuleNotFoundError as exc:
+        message = tools_env_missing(exc)
+        if message is None:
+            raise
+        print(f"fork {verb}: error: {message}", file=sys.stderr)
+        return EXIT_TOOLS_ENV
     except KeyboardInterrupt:
-        print(f"fork {args.verb}: interrupted", file=sys.stderr)
+        print(f"fork {verb}: interrupted", file=sys.stderr)
         return EXIT_FAILED

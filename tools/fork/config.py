@@ -6,17 +6,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.fork.errors import BadInput
+from tools.fork.errors import EXIT_TOOLS_ENV, BadInput, ForkError
 
-# tomllib is 3.11+. On 3.10: tomli (tools/requirements.txt); where an image's Python, used as it
-# is, has neither: a strict reader of the TOML fork.toml uses (tools/fork/minitoml.py).
-try:
+try:  # Python 3.11+
     import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+except ModuleNotFoundError:  # Python 3.10: tomli (tools/requirements.txt), else the copy pip vendors
     try:
-        import tomli as tomllib  # type: ignore[no-redef]
+        import tomli as tomllib
     except ModuleNotFoundError:
-        from tools.fork import minitoml as tomllib  # type: ignore[no-redef]
+        try:
+            from pip._vendor import tomli as tomllib
+        except ImportError:
+            tomllib = None
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,6 +102,11 @@ def _base(entry: dict, where: str) -> Base:
 
 def load(root: Path = REPO_ROOT) -> ForkConfig:
     path = root / "fork.toml"
+    if tomllib is None:
+        raise ForkError(
+            "reading fork.toml on Python 3.10 needs tomli: `pip install tomli`, or use build/tools-venv/bin/python",
+            EXIT_TOOLS_ENV,
+        )
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:

@@ -48,7 +48,9 @@ CHECKOUT_STATE = "fork-deploy.json"  # in the checkout's .git/
 MANIFEST_FORMAT = 1
 # Where the installed package is, without importing it (the Dockerfile and docs/deploy.md use this too).
 FIND_PACKAGE = (
-    "python3 -I -c 'import importlib.util as u; print(u.find_spec(\"vllm_ascend\").submodule_search_locations[0])'"
+    'python3 -I -c \'import importlib.util as u, sys; s = u.find_spec("vllm_ascend"); '
+    "print(s.submodule_search_locations[0]) if s else "
+    'sys.exit(sys.executable + " has no vllm_ascend: install vllm-ascend into it first")\''
 )
 
 
@@ -56,11 +58,19 @@ class AlreadyDeployed(BadInput):
     """The target already carries the fork (a backup exists, or the fork's content is there)."""
 
 
+def _target_path(text: str) -> Path:
+    if not text.strip():  # e.g. "$PKG" when the command that should have found the package failed
+        raise BadInput("the PATH given to --to/--verify/--revert is empty: nothing to deploy into")
+    return Path(text)
+
+
 def add_arguments(p) -> None:
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--to", type=Path, metavar="PATH", help="deploy the series into PATH")
-    what.add_argument("--verify", type=Path, metavar="PATH", help="check PATH has the fork's content; exit 1 if not")
-    what.add_argument("--revert", type=Path, metavar="PATH", help="restore what `deploy --to PATH` changed")
+    what.add_argument("--to", type=_target_path, metavar="PATH", help="deploy the series into PATH")
+    what.add_argument(
+        "--verify", type=_target_path, metavar="PATH", help="check PATH has the fork's content; exit 1 if not"
+    )
+    what.add_argument("--revert", type=_target_path, metavar="PATH", help="restore what `deploy --to PATH` changed")
     p.add_argument(
         "--base",
         metavar="VERSION",
@@ -171,7 +181,7 @@ def find_target(path: Path) -> Target:
     else:
         raise BadInput(
             f"{path} is neither a vllm-ascend git checkout nor an installed vllm_ascend package directory "
-            f"(no {PACKAGE}/__init__.py). Find the installed one with:\n  {FIND_PACKAGE}"
+            f"(no {PACKAGE}/__init__.py); find the installed one with: {FIND_PACKAGE}"
         )
     target = Target("package", root)
     target.dist_info = _owning_dist_info(root)
@@ -394,16 +404,23 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
         )
     record = None
     changes = StagedWrite()
-    for ch in changing:
+    pycache = []  # compiled files of the changed modules: stale once the source changes, so removed,
+    for ch in changing:  # and kept in the backup, so that --revert puts back every byte (and folder)
         if result[ch.path] is None:
             changes.delete(target.file(ch.path))
         else:
             changes.write(target.file(ch.path), result[ch.path])
         for pyc in _pycache(target.file(ch.path)):
+            rel = pyc.relative_to(target.root).as_posix()
+            data = pyc.read_bytes()
+            backup.write(target.backup / "original" / rel, data)
+            pycache.append({"path": rel, "sha256": sha256(data)})
             changes.delete(pyc)
-    backup_files = [f"{BACKUP_DIR}/{MANIFEST}"] + [
-        f"{BACKUP_DIR}/original/{ch.path}" for ch in changing if ch.base is not None
-    ]
+    backup_files = (
+        [f"{BACKUP_DIR}/{MANIFEST}"]
+        + [f"{BACKUP_DIR}/original/{ch.path}" for ch in changing if ch.base is not None]
+        + [f"{BACKUP_DIR}/original/{p['path']}" for p in pycache]
+    )
     if target.dist_info is not None:
         rec_path = target.dist_info / "RECORD"
         rec_rel = rec_path.relative_to(target.root).as_posix()
@@ -424,6 +441,7 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
         "package": PACKAGE,
         "series": [[p.name, p.sha256] for p in exp.patches],
         "files": files,
+        "pycache": pycache,
         "record": record,
     }
     backup.write(target.backup / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -475,9 +493,16 @@ def revert_package(target: Target, *, force: bool = False) -> list[str]:
             if sha256(original) != f["original_sha256"]:
                 raise ForkError(f"backup of {f['path']} in {target.backup} is damaged (sha256 mismatch); not reverting")
             restore.write(path, original)
-        for pyc in _pycache(path):
+        for pyc in _pycache(path):  # compiled since the deploy, or left by an interrupted one
             restore.delete(pyc)
         done.append(f"{'restored' if f['original_sha256'] else 'removed'} {f['path']}")
+    for p in manifest.get("pycache", []):  # the compiled files pip installed, as they were
+        original = (target.backup / "original" / p["path"]).read_bytes()
+        if sha256(original) != p["sha256"]:
+            raise ForkError(f"backup of {p['path']} in {target.backup} is damaged (sha256 mismatch); not reverting")
+        restore.write(target.root / p["path"], original)
+    if manifest.get("pycache"):
+        done.append(f"restored {len(manifest['pycache'])} compiled file(s) (__pycache__)")
     record = manifest.get("record")
     if record:
         path = target.root / record["path"]

@@ -10,7 +10,7 @@
      installed package, from a copy of the fork's tests/ that holds no vllm_ascend/, and every
      vllm_ascend module they load is checked to come from site-packages;
   4. `deploy --verify` passes, `deploy --revert` runs, site-packages is byte-identical to step 1
-     (every file but __pycache__), and `deploy --verify` now fails.
+     (every path and every byte: folders and __pycache__ included), and `deploy --verify` now fails.
 
     python -m tools.fork.deploy_check [--python PY] [-C ROOT]
 
@@ -32,7 +32,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.fork import config, deploy, txn, upstream
+from tools.fork import config, deploy, upstream
 from tools.fork.errors import BadInput, ForkError
 
 SCRIPT = Path("docker") / "deploy-installed.sh"
@@ -72,7 +72,7 @@ class Result:
         return (
             f"deploy check: vllm-ascend {self.version} installed from a wheel at {self.package}: "
             f"{len(self.changed)} file(s) deployed, verified, fork tests ({len(self.test_files)} file(s)): "
-            f"{counts or 'none'}; reverted byte-identical. Timings: {t}"
+            f"{counts or 'none'}; reverted byte-identical (every path and byte of site-packages). Timings: {t}"
         )
 
 
@@ -213,6 +213,31 @@ def junit_counts(path: Path) -> dict[str, int]:
     return counts
 
 
+def tree_state(root: Path) -> dict[str, str]:
+    """Every path under `root`, folders and compiled files (__pycache__) included: relative path ->
+    "dir", "link -> TARGET" or the file's sha256. `deploy --revert` must give back exactly this."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath, name)
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                out[rel] = f"link -> {os.readlink(path)}"
+            elif path.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = deploy.sha256(path.read_bytes())
+    return out
+
+
+def state_differences(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    return [
+        f"{rel}: {'missing' if rel not in after else 'added' if rel not in before else 'content differs'}"
+        for rel in sorted(set(before) | set(after))
+        if before.get(rel) != after.get(rel)
+    ]
+
+
 def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | None = None, work: Path | None = None):
     """Install, deploy, test, verify, revert, compare. Raises ForkError on any failure."""
     python = Path(python or default_python(cfg))
@@ -244,7 +269,7 @@ def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | 
     wheel = wheel_for(cfg, version, python, work)
     vpython, site = fresh_venv(python, wheel, work)
     pkg = site / deploy.PACKAGE
-    before = txn.snapshot([site])
+    before = tree_state(site)
     lap("install")
 
     root_args = ["-C", str(cfg.root)]
@@ -258,10 +283,12 @@ def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | 
     fork_cli = [vpython, "-m", "tools.fork", *root_args, "deploy"]
     _run([*fork_cli, "--verify", pkg], what="deploy --verify after the tests", cwd=config.REPO_ROOT)
     _run([*fork_cli, "--revert", pkg], what="deploy --revert", cwd=config.REPO_ROOT)
-    after = txn.snapshot([site])
-    if after != before:
-        differ = sorted(str(p.relative_to(site)) for p in set(before) | set(after) if before.get(p) != after.get(p))
-        raise ForkError(f"deploy check: after --revert, site-packages differs from before the deploy: {differ[:20]}")
+    differ = state_differences(before, tree_state(site))
+    if differ:
+        raise ForkError(
+            f"deploy check: after --revert, site-packages differs from before the deploy ({len(before)} paths "
+            f"compared, folders and __pycache__ included): {differ[:20]}"
+        )
     _run(
         [*fork_cli, "--verify", pkg], what="deploy --verify after the revert (must fail)", cwd=config.REPO_ROOT, ok=(1,)
     )

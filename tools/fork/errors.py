@@ -12,6 +12,7 @@ EXIT_CONFLICT = 3  # a rebase stopped at a conflict; resolve, then --continue or
 EXIT_IN_PROGRESS = 4  # a rebase is already in progress; --continue or --abort it first
 EXIT_UPSTREAM = 5  # the base could not be obtained or verified (registry, hash)
 EXIT_LOCAL_EDITS = 6  # the operation would overwrite local edits
+EXIT_TOOLS_ENV = 7  # this Python lacks a package of the tools environment (tools/requirements.txt)
 
 EXIT_CODES_HELP = """\
 exit codes:
@@ -23,6 +24,8 @@ exit codes:
   4  a rebase is already in progress: `rebase --continue` or `rebase --abort` first
   5  the upstream base could not be obtained or verified (registry, sha256)
   6  refused: the operation would overwrite local edits
+  7  this Python lacks a package the verb needs (setuptools-scm, wheel, pytest): use
+     build/tools-venv/bin/python (made by `make`), or pip install -r tools/requirements.txt
 """
 
 

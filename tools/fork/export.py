@@ -203,6 +203,10 @@ def export_upstream(cfg: ForkConfig, dest: Path) -> list[str]:
     """Copy the upstreamable patches (not fork-only) to `dest` as a clean `git am` series."""
     from tools.fork import check
 
+    if dest.exists() and not dest.is_dir():
+        raise BadInput(f"--upstream {dest}: not a directory (give a new or empty directory)")
+    if not dest.exists() and any(parent.exists() and not parent.is_dir() for parent in dest.parents):
+        raise BadInput(f"--upstream {dest}: a parent of it is not a directory")
     patches = [p for p in series.read(cfg) if p.name not in cfg.fork_only]
     problems = [msg for p in patches for msg in check.convention_problems(p)]
     if problems:

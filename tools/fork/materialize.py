@@ -153,6 +153,40 @@ def local_edits(tree: Path) -> list[str]:
     return problems
 
 
+def _patch_id(diff: str, cwd: Path) -> str | None:
+    out = git.run(["patch-id", "--stable"], cwd, input=diff, check=False).stdout.split()
+    return out[0] if out else None
+
+
+def unheld_commits(tree: Path, version: str, patches: list[Patch], repo: Path | None = None) -> list[str]:
+    """The commits on top of the base in `tree` whose change is held neither by one of `patches`
+    (same `git patch-id`) nor by any patch file git knows in the fork repository (a commit that
+    was exported once and committed, e.g. before a `git pull` changed patches/): "<sha> <subject>"."""
+    base = git.rev(tree, base_tag(version))
+    if base is None:
+        return []
+    commits = git.out(["rev-list", "--reverse", f"{base}..HEAD"], tree, check=False).split()
+    if not commits:
+        return []
+    held = {_patch_id(p.path.read_text(errors="replace"), tree) for p in patches if p.path.is_file()}
+    repo = repo or (patches[0].path.parent if patches else None)
+    lost = []
+    for c in commits:
+        shown = git.run(["show", "--no-renames", "--format=commit %H", c], tree, check=False).stdout
+        if _patch_id(shown, tree) in held:
+            continue
+        if repo is not None:  # the exported form of this commit, as a blob the fork repository has
+            from tools.fork.export import FORMAT_PATCH
+
+            rendered = git.run([*FORMAT_PATCH, "--stdout", "-1", c], tree, check=False, binary=True).stdout
+            blob = git.run(["hash-object", "--stdin"], repo, input=rendered, check=False, binary=True).stdout
+            blob = blob.decode().strip()
+            if blob and git.run(["cat-file", "-e", blob], repo, check=False).returncode == 0:
+                continue
+        lost.append(git.out(["log", "-1", "--format=%h %s", c], tree))
+    return lost
+
+
 def materialize(
     tree: Path,
     source_for_base,
@@ -160,12 +194,15 @@ def materialize(
     patches: list[Patch],
     *,
     force: bool = False,
+    repo: Path | None = None,
 ) -> str:
     """Make `tree` the base `version` plus `patches`. Idempotent.
 
     Returns what happened: "created", "reapplied" or "up to date".
     `source_for_base` is called (to download/verify) only when the base must be extracted.
-    Refuses (LocalEdits) to discard local edits unless `force`.
+    Refuses (LocalEdits) to discard local edits unless `force`: uncommitted changes, commits made
+    since the last apply/export, and commits whose change neither `patches` nor the fork repository
+    `repo` (default: the one holding the patches) holds, e.g. an export that was discarded.
     """
     wanted = [(p.name, p.sha256) for p in patches]
     if git.is_repo(tree):
@@ -185,6 +222,15 @@ def materialize(
             )
         if not edits and state is not None and state.series == wanted:
             return "up to date"
+        if not force:
+            lost = unheld_commits(tree, version, patches, repo)
+            if lost:
+                raise LocalEdits(
+                    f"{tree} has commits that patches/ does not hold; re-applying would drop them:\n  - "
+                    + "\n  - ".join(lost)
+                    + "\nKeep them: `python -m tools.fork export` (writes them to patches/), then commit patches/. "
+                    "Drop them: `apply --force`."
+                )
         abort_am(tree)
         git.run(["reset", "-q", "--hard", base_tag(version)], tree)
         git.run(["clean", "-q", "-fd"], tree)

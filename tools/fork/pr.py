@@ -74,11 +74,12 @@ def warnings(patch: series.Patch, body: str) -> list[str]:
 
 def _print(patch: series.Patch, index: int, total: int, cfg: ForkConfig, args) -> bool:
     title, body = pull_request(patch)
-    print(
-        f"fork pr: patch {index + 1}/{total} {patch.name} (vllm-ascend {cfg.pin.version}; "
-        f"apply with `git am --keep-non-patch {patch.path.relative_to(cfg.root)}`)",
-        file=sys.stderr,
-    )
+    if args.all:  # which patch each text is; a single `pr N` prints nothing but the text to paste
+        print(
+            f"fork pr: patch {index + 1}/{total} {patch.name} (vllm-ascend {cfg.pin.version}; "
+            f"apply with `git am --keep-non-patch {patch.path.relative_to(cfg.root)}`)",
+            file=sys.stderr,
+        )
     if args.title:
         print(title)
     elif args.body:

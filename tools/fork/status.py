@@ -42,7 +42,11 @@ def run(args, cfg) -> int:
         print(f"tree     {tree.relative_to(cfg.root)}: {how}")
     else:
         print(f"tree     {tree.relative_to(cfg.root)}: not materialized (run apply)")
-    version = wheel.fork_version(cfg)
+    try:
+        version = wheel.fork_version(cfg)
+    except ModuleNotFoundError as exc:  # setuptools-scm: only in the tools environment
+        print(f"version  unknown: this Python lacks {exc.name} (build/tools-venv/bin/python has it)")
+        return 0
     wheels = sorted((cfg.root / "dist").glob(f"vllm_ascend-{version}-*.whl"))
     print(f"version  {version}")
     print(f"wheel    {wheels[-1].relative_to(cfg.root) if wheels else 'not built (run build)'}")

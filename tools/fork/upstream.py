@@ -77,7 +77,10 @@ def _pip_download(cfg: ForkConfig, base: Base, dest: Path) -> Path:
         tail = "\n  ".join(proc.stderr.strip().splitlines()[-6:])
         hint = ""
         if "setuptools_scm" in proc.stderr or "bdist_wheel" in proc.stderr:
-            hint = "\npip reads the sdist's metadata: `pip install setuptools-scm wheel` into this Python first."
+            hint = (
+                "\npip reads the sdist's metadata: run with build/tools-venv/bin/python (made by `make`), "
+                "or `pip install setuptools-scm wheel` into this Python first."
+            )
         raise UpstreamUnavailable(
             f"could not download {cfg.dist}=={base.version} from the package registry:\n  {tail}{hint}\n"
             "Offline? Pass a local sdist with --sdist PATH or an upstream checkout with --checkout DIR."

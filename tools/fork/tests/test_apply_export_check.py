@@ -50,6 +50,8 @@ def test_apply_refuses_local_edits_and_force_discards(fork_with_patch):
 
 def test_apply_reapplies_when_series_changes(fork_with_patch):
     fork = fork_with_patch
+    fork.git("add", "-A", cwd=fork.root)  # the series was committed: dropping a patch loses nothing
+    fork.git("commit", "-qm", "the series", cwd=fork.root)
     (fork.root / "patches" / "series").write_text("")
     (fork.root / "patches" / "0001-Ops-BugFix-Guard-the-copy.patch").unlink()
     out = fork.run("apply").stdout

@@ -23,6 +23,7 @@ import pytest
 
 from tools.fork import cli, config, git, txn
 from tools.fork.deploy import BACKUP_DIR, record_with
+from tools.fork.deploy_check import tree_state
 from tools.fork.export import render
 from tools.fork.materialize import create_base
 from tools.fork.tests.conftest import make_sdist, sha256
@@ -194,9 +195,9 @@ def deploy(repo, capsys, *args) -> tuple[int, str]:
     return code, out.out + out.err
 
 
-def snapshot(*roots: Path) -> dict[Path, bytes]:
-    """Every file under the roots (except __pycache__), with its bytes."""
-    return txn.snapshot(list(roots))
+def snapshot(*roots: Path) -> dict[str, dict[str, str]]:
+    """Every path under the roots, folders and __pycache__ included, with its sha256."""
+    return {str(root): tree_state(root) if root.is_dir() else {} for root in roots}
 
 
 def record_paths(site: Path) -> set[str]:
@@ -226,7 +227,7 @@ def test_deploy_verify_revert_installed_package(repo, tmp_path, capsys):
     assert (site / BACKUP_DIR / "manifest.json").is_file()
     # RECORD describes the fork: pip uninstall removes every file of the package and the backup.
     listed = record_paths(site)
-    on_disk = {p.relative_to(site).as_posix() for p in snapshot(pkg, site / BACKUP_DIR)}
+    on_disk = {p.relative_to(site).as_posix() for p in txn.snapshot([pkg, site / BACKUP_DIR])}
     assert on_disk <= listed, on_disk - listed
     assert "vllm_ascend/old.py" not in listed
     (dist,) = site.glob("vllm_ascend-*.dist-info")
@@ -242,9 +243,18 @@ def test_deploy_verify_revert_installed_package(repo, tmp_path, capsys):
     assert "tests/ut" not in out
     assert "deployed in place" in out
 
+    # Python compiles the fork's modules when they are imported after the deploy.
+    assert not (pkg / "__pycache__").exists(), "its only file was the stale bytecode"
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__/envs.cpython-311.pyc").write_bytes(b"bytecode of the fork's envs.py")
+    (pkg / "worker/__pycache__").mkdir()
+    (pkg / "worker/__pycache__/state_copy.cpython-311.pyc").write_bytes(b"bytecode of an added module")
+
     code, out = deploy(repo, capsys, "--revert", pkg)
     assert code == 0, out
-    assert snapshot(site) == before, "revert must restore the package and its dist-info byte for byte"
+    after = snapshot(site)
+    assert after == before, "revert must restore every path and byte: package, dist-info, __pycache__, folders"
+    assert (pkg / "__pycache__/envs.cpython-311.pyc").read_bytes() == b"stale bytecode of envs.py"
     assert not (site / BACKUP_DIR).exists()
     assert not (site / "vllm_ascend/worker").exists(), "a directory the deploy created is removed again"
 

@@ -1,0 +1,354 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""batch_memmove against a numpy memmove oracle; device-generic.
+
+Runs on `npu` when torch.npu is available, else on `cuda`, else on the CPU
+under the Triton interpreter (TRITON_INTERPRET=1, set by the runner before
+Triton is imported). The interpreter runs programs one after another, so on the
+CPU these tests check block order, masks, tiling and the overlap decisions,
+not races; on a GPU they also run under real concurrency.
+
+Every pair set is built so that no pair's ranges overlap another pair's
+(only a pair with itself), so the batch has one defined result: numpy memmove
+applied pair by pair to a byte snapshot of the pool. The pool is poisoned and
+randomised first; the whole pool must equal the oracle, so bytes outside the
+destinations must be unchanged.
+
+Tests named `test_control_*` run the unguarded upstream `batch_memcpy_kernel`
+where it is known to be wrong and assert that it IS wrong: they prove the
+oracle comparison can fail and document the bug the memmove kernel fixes.
+"""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ascend.ops.triton.batch_memcpy import batch_memcpy_kernel
+from vllm_ascend.ops.triton.batch_memmove import DEFAULT_BLOCK_SIZE, NPU_BLOCK_SIZE, batch_memmove
+
+
+def _select_device() -> str:
+    if hasattr(torch, "npu") and torch.npu.is_available():
+        return "npu"
+    if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+DEVICE = _select_device()
+INTERPRETED = DEVICE == "cpu"
+# Small blocks and few tiles keep the interpreter fast while still walking
+# several blocks per pair; on a device the launcher's defaults are used too.
+BLOCK_SIZES = [64, 256] if INTERPRETED else [64, 1024, NPU_BLOCK_SIZE if DEVICE == "npu" else DEFAULT_BLOCK_SIZE]
+TILES = 4 if INTERPRETED else 16
+POISON = 0xA5
+KINDS = ("left", "right", "exact", "disjoint")
+# Longer random runs: KERNEL_FUZZ_EXAMPLES=500 pytest ...
+FUZZ_EXAMPLES = int(os.environ.get("KERNEL_FUZZ_EXAMPLES", "25" if INTERPRETED else "200"))
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    elif DEVICE == "npu":
+        torch.npu.synchronize()
+
+
+def memmove_oracle(pool: np.ndarray, pairs) -> np.ndarray:
+    """numpy memmove applied in pair order to a snapshot of the pool."""
+    out = pool.copy()
+    for src, dst, size in pairs:
+        out[dst : dst + size] = out[src : src + size].copy()
+    return out
+
+
+class Arena:
+    """Hands out disjoint, aligned regions of one byte pool, one region per pair."""
+
+    def __init__(self, align: int = 16, gap: int = 48):
+        self.align = align
+        self.gap = gap
+        self.end = 0
+
+    def take(self, nbytes: int) -> int:
+        start = -(-(self.end + self.gap) // self.align) * self.align
+        self.end = start + nbytes
+        return start
+
+    def pair(self, kind: str, size: int, shift: int) -> tuple[int, int, int]:
+        """(src, dst, size) of one overlap kind; shift > 0 bytes for left/right/disjoint."""
+        if kind == "exact":
+            start = self.take(size)
+            return start, start, size
+        if kind == "disjoint":
+            start = self.take(2 * size + shift)
+            return start, start + size + shift, size
+        start = self.take(size + shift)
+        if kind == "left":  # dst < src < dst + size
+            return start + shift, start, size
+        if kind == "right":  # src < dst < src + size
+            return start, start + shift, size
+        raise ValueError(kind)
+
+
+def make_pool(nbytes: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    pool = np.full(nbytes, POISON, dtype=np.uint8)
+    # Random payload on every other 16-byte granule leaves poison visible too.
+    data = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    keep = (np.arange(nbytes) // 16) % 2 == 0
+    pool[keep] = data[keep]
+    return pool
+
+
+def run_pairs(pool: np.ndarray, pairs, kernel: str = "memmove", **kwargs) -> np.ndarray:
+    """Copy pool to the device, run one launch over all pairs, return the pool bytes."""
+    dev = torch.from_numpy(pool.copy()).to(DEVICE)
+    base = dev.data_ptr()
+    src = torch.tensor([base + s for s, _, _ in pairs], dtype=torch.int64, device=DEVICE)
+    dst = torch.tensor([base + d for _, d, _ in pairs], dtype=torch.int64, device=DEVICE)
+    sizes = torch.tensor([n for _, _, n in pairs], dtype=torch.int32, device=DEVICE)
+    if kernel == "memmove":
+        batch_memmove(src, dst, sizes, **kwargs)
+    elif kernel == "unguarded":
+        batch_memcpy_kernel[(len(pairs),)](src, dst, sizes, BLOCK_SIZE=kwargs.get("block_size", 8192))
+    else:
+        raise ValueError(kernel)
+    _sync()
+    return dev.cpu().numpy()
+
+
+def bad_pairs(result: np.ndarray, expected: np.ndarray, pairs) -> list:
+    bad = []
+    for idx, (src, dst, size) in enumerate(pairs):
+        if not np.array_equal(result[dst : dst + size], expected[dst : dst + size]):
+            bad.append((idx, src, dst, size))
+    return bad
+
+
+def assert_memmove(pool: np.ndarray, pairs, **kwargs) -> None:
+    result = run_pairs(pool, pairs, **kwargs)
+    expected = memmove_oracle(pool, pairs)
+    bad = bad_pairs(result, expected, pairs)
+    assert not bad, f"{len(bad)} of {len(pairs)} pairs differ from memmove, first (idx, src, dst, size): {bad[:5]}"
+    outside = np.ones(pool.size, dtype=bool)
+    for _, dst, size in pairs:
+        outside[dst : dst + size] = False
+    changed = np.flatnonzero(result[outside] != pool[outside])
+    assert changed.size == 0, f"{changed.size} bytes outside the destinations changed"
+    assert np.array_equal(result, expected)
+
+
+@pytest.mark.parametrize("elem_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_sizes_around_block_boundaries_every_overlap_kind(elem_size, block_size):
+    """Sizes from one element to several blocks, around block boundaries, every overlap kind, one launch."""
+    blk = block_size // elem_size
+    counts = sorted({1, 2, blk - 1, blk, blk + 1, 2 * blk - 1, 2 * blk + 1, 3 * blk + 3})
+    counts = [c for c in counts if c >= 1]
+    arena = Arena(align=16)
+    pairs = []
+    for count in counts:
+        size = count * elem_size
+        shifts = sorted({1, 2, max(1, count // 2), count - 1 if count > 1 else 1, count + 3})
+        for kind in KINDS:
+            for shift in shifts if kind != "exact" else [0]:
+                if kind in ("left", "right") and shift >= count:
+                    continue  # not overlapping any more; "disjoint" covers it
+                pairs.append(arena.pair(kind, size, shift * elem_size))
+    pool = make_pool(arena.end + 64, seed=elem_size * 1000 + block_size)
+    assert_memmove(pool, pairs, block_size=block_size, tiles=TILES)
+
+
+@pytest.mark.parametrize("shift", [1, 3, 16, 17, 63])
+def test_right_overlap_walks_blocks_backwards(shift):
+    """dst > src overlapping over many blocks: a forward walk would re-read stored bytes."""
+    arena = Arena()
+    pairs = [arena.pair("right", 7 * 64 + 5, shift), arena.pair("right", 4 * 64, shift)]
+    pool = make_pool(arena.end + 64, seed=shift)
+    assert_memmove(pool, pairs, block_size=64, tiles=TILES)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 8])
+def test_unaligned_and_aligned_paths(offset):
+    """16-byte aligned pairs take the vector path, others the byte path; both are memmove."""
+    arena = Arena(align=16)
+    pairs = []
+    for size in (16, 48, 256, 1000, 1024):
+        for kind, shift in (("left", 16), ("right", 32), ("disjoint", 16), ("left", 5), ("right", 7)):
+            src, dst, n = arena.pair(kind, size, shift)
+            pairs.append((src + offset, dst + offset, n))
+        arena.take(offset)
+    pool = make_pool(arena.end + 64, seed=offset)
+    assert_memmove(pool, pairs, block_size=256, tiles=TILES)
+
+
+def test_exact_and_empty_pairs_leave_pool_untouched():
+    arena = Arena()
+    pairs = [arena.pair("exact", 300, 0), arena.pair("exact", 1, 0), (arena.take(8), arena.take(8), 0)]
+    pool = make_pool(arena.end + 64, seed=7)
+    result = run_pairs(pool, pairs, block_size=64, tiles=TILES)
+    assert np.array_equal(result, pool)
+
+
+def _mixed_pairs(rng: random.Random, num_pairs: int, max_size: int):
+    arena = Arena(align=1, gap=rng.randrange(0, 64))
+    pairs = []
+    for _ in range(num_pairs):
+        kind = rng.choice(KINDS)
+        elem = rng.choice((1, 2, 4, 8, 16))
+        size = rng.randrange(1, max_size // elem + 1) * elem
+        shift = rng.randrange(1, max(2, size // elem)) * elem if kind != "exact" else 0
+        arena.align = rng.choice((1, 2, 8, 16, 16, 16))
+        pairs.append(arena.pair(kind, size, shift))
+    rng.shuffle(pairs)
+    return pairs, arena.end
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_many_pairs_mixed_kinds_one_launch(seed):
+    rng = random.Random(seed)
+    num_pairs, max_size = (48, 600) if INTERPRETED else (2048, 64 * 1024)
+    pairs, end = _mixed_pairs(rng, num_pairs, max_size)
+    pool = make_pool(end + 64, seed=seed)
+    block_size = 64 if INTERPRETED else None  # the launcher's default on a device
+    assert_memmove(pool, pairs, block_size=block_size, tiles=TILES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_mamba_conv_shift_every_bias_and_temporal_moves(dtype):
+    """Align-mode moves on Mamba-like pools: state[blk, bias:] -> state[blk, :width - bias] for every
+    bias, plus conv and temporal moves between distinct blocks, all in one launch."""
+    num_blocks, width = 16, 4
+    conv_dim = 24 if INTERPRETED else 4096
+    temporal_shape = (2, 8, 8) if INTERPRETED else (16, 128, 128)
+    gen = torch.Generator().manual_seed(0)
+    conv = torch.randn(num_blocks, width, conv_dim, generator=gen).to(dtype).to(DEVICE)
+    temporal = torch.randn(num_blocks, *temporal_shape, generator=gen).to(torch.float32).to(DEVICE)
+    conv_ref, temporal_ref = conv.cpu().clone(), temporal.cpu().clone()
+
+    src_ptrs, dst_ptrs, sizes = [], [], []
+
+    def add(state, ref, src_view_fn, dst_view_fn):
+        src_view, dst_view = src_view_fn(state), dst_view_fn(state)
+        src_ptrs.append(src_view.data_ptr())
+        dst_ptrs.append(dst_view.data_ptr())
+        sizes.append(src_view.numel() * src_view.element_size())
+        dst_view_ref = dst_view_fn(ref)
+        dst_view_ref.copy_(src_view_fn(ref).clone())
+
+    for bias in range(1, width):  # same block: the overlapping shift
+        blk = bias
+        add(conv, conv_ref, lambda s, b=blk, o=bias: s[b, o:], lambda s, b=blk, o=bias: s[b, : width - o])
+    for bias, (src_blk, dst_blk) in zip(range(0, width), [(8, 9), (10, 11), (12, 5), (13, 6)]):
+        add(
+            conv,
+            conv_ref,
+            lambda s, b=src_blk, o=bias: s[b, o:],
+            lambda s, b=dst_blk, o=bias: s[b, : width - o],
+        )
+        add(temporal, temporal_ref, lambda s, b=src_blk: s[b], lambda s, b=dst_blk: s[b])
+
+    def t(values, dt):
+        return torch.tensor(values, dtype=dt, device=DEVICE)
+
+    block_size = 64 if INTERPRETED else None
+    batch_memmove(t(src_ptrs, torch.int64), t(dst_ptrs, torch.int64), t(sizes, torch.int32), block_size=block_size)
+    _sync()
+    assert torch.equal(conv.cpu().view(torch.uint8), conv_ref.view(torch.uint8))
+    assert torch.equal(temporal.cpu().view(torch.uint8), temporal_ref.view(torch.uint8))
+
+
+def test_fuzz_random_geometry():
+    """Random pair sets (hypothesis): any overlap kind, size, element size and offset."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    pair_strategy = st.tuples(
+        st.sampled_from(KINDS),
+        st.sampled_from((1, 2, 4, 8)),  # element size
+        st.integers(1, 40),  # elements
+        st.integers(1, 40),  # shift in elements
+        st.integers(0, 3),  # misalignment in elements
+    )
+
+    @hypothesis.settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    @hypothesis.given(st.lists(pair_strategy, min_size=1, max_size=12), st.sampled_from((16, 32, 64)))
+    def check(specs, block_size):
+        arena = Arena(align=16, gap=8)
+        pairs = []
+        for kind, elem, count, shift, misalign in specs:
+            arena.take(misalign * elem)
+            pairs.append(arena.pair(kind, count * elem, shift * elem if kind != "exact" else 0))
+        pool = make_pool(arena.end + 32, seed=len(specs))
+        assert_memmove(pool, pairs, block_size=block_size, tiles=3)
+
+    check()
+
+
+def test_launcher_rejects_bad_arguments_before_launch():
+    ok64 = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    ok32 = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    # Pointers of 0 would crash a kernel: every case must raise before any launch.
+    with pytest.raises(TypeError, match="sizes must be torch.int32"):
+        batch_memmove(ok64, ok64, ok64)
+    with pytest.raises(TypeError, match="src_ptrs must be torch.int64"):
+        batch_memmove(ok32, ok64, ok32)
+    with pytest.raises(ValueError, match="same length"):
+        batch_memmove(ok64, ok64[:1], ok32)
+    with pytest.raises(ValueError, match="1-D"):
+        batch_memmove(ok64.view(1, 2), ok64, ok32)
+    with pytest.raises(ValueError, match="block_size"):
+        batch_memmove(ok64, ok64, ok32, block_size=100)
+    with pytest.raises(ValueError, match="tiles"):
+        batch_memmove(ok64, ok64, ok32, tiles=0)
+    if DEVICE != "cpu":
+        with pytest.raises(ValueError, match="one device"):
+            batch_memmove(ok64, ok64.cpu(), ok32)
+    batch_memmove(ok64[:0], ok64[:0], ok32[:0])  # empty batch: nothing to launch
+
+
+def test_control_unguarded_memcpy_corrupts_right_overlap():
+    """CONTROL: upstream's unguarded kernel walks forwards, so dst > src overlapping with
+    size > BLOCK re-reads bytes it already stored. Asserts that it is WRONG here."""
+    block = 8192  # vllm-ascend's BLOCK_SIZE for batch_memcpy_kernel
+    arena = Arena()
+    pairs = [arena.pair("right", 3 * block + 100, shift) for shift in (16, 1000, 5000)]
+    pool = make_pool(arena.end + 64, seed=11)
+    expected = memmove_oracle(pool, pairs)
+    result = run_pairs(pool, pairs, kernel="unguarded", block_size=block)
+    assert bad_pairs(result, expected, pairs), "unguarded batch_memcpy_kernel unexpectedly gave memmove results"
+    assert_memmove(pool, pairs, block_size=block, tiles=TILES)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="race geometry calibrated on NVIDIA GPUs (long rows, small shifts)")
+@pytest.mark.parametrize("num_warps", [4, 16])
+def test_control_unguarded_memcpy_races_on_left_shift_gpu(num_warps):
+    """CONTROL (GPU only): same-row left shifts of 16 bytes over 32 KiB rows. Lanes of the unguarded
+    kernel drift apart over the loop and store over bytes not loaded yet; memmove never does."""
+    rows, row_bytes, shift = 2048, 32 * 1024, 16
+    pool = make_pool(rows * (row_bytes + shift + 64), seed=5)
+    arena = Arena(align=64, gap=0)
+    pairs = [arena.pair("left", row_bytes, shift) for _ in range(rows)]
+    expected = memmove_oracle(pool, pairs)
+    corrupted = 0
+    for _ in range(5):
+        dev = torch.from_numpy(pool.copy()).to(DEVICE)
+        base = dev.data_ptr()
+        src = torch.tensor([base + s for s, _, _ in pairs], dtype=torch.int64, device=DEVICE)
+        dst = torch.tensor([base + d for _, d, _ in pairs], dtype=torch.int64, device=DEVICE)
+        sizes = torch.tensor([n for _, _, n in pairs], dtype=torch.int32, device=DEVICE)
+        batch_memcpy_kernel[(rows,)](src, dst, sizes, BLOCK_SIZE=1024, num_warps=num_warps)
+        torch.cuda.synchronize()
+        corrupted += len(bad_pairs(dev.cpu().numpy(), expected, pairs))
+    assert corrupted > 0, "unguarded kernel showed no race in 5 trials (control did not fire)"
+    for block_size in (1024, None, None):  # None: the launcher's default block
+        assert_memmove(pool, pairs, block_size=block_size, num_warps=num_warps)

@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Batched, overlap-safe memmove over (src_ptrs, dst_ptrs, sizes).
+
+`batch_memcpy_kernel` walks every pair forwards with no ordering between its
+loads and stores. That is a race when a pair overlaps itself, which is exactly
+what align-mode Mamba state moves produce: the conv-state shift copies
+``state[blk, bias:]`` to ``state[blk, :width - bias]`` inside one block
+(``dst < src < dst + size``). This kernel gives every pair memmove semantics:
+
+* ``dst < src`` overlapping ("left"): one program walks the pair forwards with
+  ``tl.debug_barrier()`` between each load and store, so no lane stores over
+  source bytes another lane has not loaded yet;
+* ``dst > src`` overlapping ("right"): one program walks the blocks backwards,
+  with the same barrier;
+* ``dst == src``: nothing is copied;
+* pairs that do not overlap run with no barrier, split over ``tiles`` programs
+  (grid axis 1) so a few multi-MiB temporal states still fill the device.
+
+Pairs are independent: the kernel does not order one pair against another, so a
+batch in which one pair's destination overlaps another pair's source or
+destination has no defined result (the caller must not build such batches).
+
+When source, destination and size are all multiples of 16 bytes, the copy uses
+addresses the compiler can prove 16-byte aligned, so GPUs issue 16-byte
+accesses instead of byte accesses; otherwise it copies bytes.
+
+triton-ascend limits respected here: the int -> pointer casts happen once,
+outside every loop, and no condition chains ``A and B and C``.
+"""
+
+import torch
+from vllm.triton_utils import tl, triton
+
+# Bytes per program per loop pass. 32 KiB (4 warps: 256 B in flight per lane) measured best on an
+# NVIDIA H200 (benchmarks/RESULTS.md); on Ascend NPUs the block lives in the on-chip unified
+# buffer, so keep vllm-ascend's batch_memcpy block size there until measured on hardware.
+DEFAULT_BLOCK_SIZE = 32768
+NPU_BLOCK_SIZE = 8192
+# Programs per pair (grid axis 1) for pairs that do not overlap.
+DEFAULT_TILES = 16
+_ALIGN = 16
+
+
+@triton.jit
+def _copy_strided(src_ptr, dst_ptr, size, start, step, offsets, BLOCK_SIZE: tl.constexpr):
+    # Blocks start, start + step, ... of a non-overlapping pair; no barrier.
+    for i in range(start, size, step):
+        mask = (i + offsets) < size
+        data = tl.load(src_ptr + i + offsets, mask=mask)
+        tl.store(dst_ptr + i + offsets, data, mask=mask)
+
+
+@triton.jit
+def _move_forward(src_ptr, dst_ptr, size, offsets, BLOCK_SIZE: tl.constexpr):
+    # dst < src: every lane has loaded block i before any lane stores it.
+    for i in range(0, size, BLOCK_SIZE):
+        mask = (i + offsets) < size
+        data = tl.load(src_ptr + i + offsets, mask=mask)
+        tl.debug_barrier()
+        tl.store(dst_ptr + i + offsets, data, mask=mask)
+
+
+@triton.jit
+def _move_backward(src_ptr, dst_ptr, size, offsets, BLOCK_SIZE: tl.constexpr):
+    # dst > src: last block first, so a store only lands on source bytes that
+    # have been loaded already.
+    num_blocks = (size + BLOCK_SIZE - 1) // BLOCK_SIZE
+    for j in range(0, num_blocks):
+        i = (num_blocks - 1 - j) * BLOCK_SIZE
+        mask = (i + offsets) < size
+        data = tl.load(src_ptr + i + offsets, mask=mask)
+        tl.debug_barrier()
+        tl.store(dst_ptr + i + offsets, data, mask=mask)
+
+
+@triton.jit
+def _move_pair(src_ptr, dst_ptr, size, is_left, is_right, tile, num_tiles, offsets, BLOCK_SIZE: tl.constexpr):
+    if is_left:
+        if tile == 0:
+            _move_forward(src_ptr, dst_ptr, size, offsets, BLOCK_SIZE)
+    elif is_right:
+        if tile == 0:
+            _move_backward(src_ptr, dst_ptr, size, offsets, BLOCK_SIZE)
+    else:
+        _copy_strided(src_ptr, dst_ptr, size, tile * BLOCK_SIZE, num_tiles * BLOCK_SIZE, offsets, BLOCK_SIZE)
+
+
+@triton.jit
+def batch_memmove_kernel(src_ptrs, dst_ptrs, sizes, BLOCK_SIZE: tl.constexpr):
+    """Grid (num_pairs, tiles): program (p, t) handles part of pair p."""
+    pair = tl.program_id(0)
+    tile = tl.program_id(1)
+    num_tiles = tl.num_programs(1)
+
+    src = tl.load(src_ptrs + pair)
+    dst = tl.load(dst_ptrs + pair)
+    size = tl.load(sizes + pair).to(tl.int64)
+
+    # Overlap kind of this pair, each from one comparison pair (no chained and).
+    is_left = (dst < src) & ((dst + size) > src)
+    is_right = (src < dst) & ((src + size) > dst)
+    is_moving = (src != dst) & (size > 0)
+
+    if is_moving:
+        is_aligned = ((src | dst | size) % 16) == 0
+        offsets = tl.arange(0, BLOCK_SIZE)
+        if is_aligned:
+            # Tell the compiler what the branch condition proved (16-byte
+            # vector accesses on GPUs). These casts are distinct ops from the
+            # unaligned branch's, so the hints do not leak into it.
+            size_a = (size // 16) * 16
+            src_ptr = tl.multiple_of(src.to(tl.pointer_type(tl.uint8)), 16)
+            dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(tl.uint8)), 16)
+            _move_pair(src_ptr, dst_ptr, size_a, is_left, is_right, tile, num_tiles, offsets, BLOCK_SIZE)
+        else:
+            src_ptr = src.to(tl.pointer_type(tl.uint8))
+            dst_ptr = dst.to(tl.pointer_type(tl.uint8))
+            _move_pair(src_ptr, dst_ptr, size, is_left, is_right, tile, num_tiles, offsets, BLOCK_SIZE)
+
+
+def batch_memmove(
+    src_ptrs: torch.Tensor,
+    dst_ptrs: torch.Tensor,
+    sizes: torch.Tensor,
+    *,
+    block_size: int | None = None,
+    tiles: int = DEFAULT_TILES,
+    num_warps: int | None = None,
+) -> None:
+    """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, as memmove.
+
+    Same call signature as vLLM's ``batch_memcpy``: 1-D device tensors, int64
+    addresses and int32 byte counts, one launch for the whole batch. Only cheap
+    checks run here (no device-to-host synchronisation); the addresses must be
+    valid device memory and no pair may overlap another pair. ``block_size``
+    defaults to DEFAULT_BLOCK_SIZE (NPU_BLOCK_SIZE on an NPU).
+    """
+    for name, tensor, dtype in (
+        ("src_ptrs", src_ptrs, torch.int64),
+        ("dst_ptrs", dst_ptrs, torch.int64),
+        ("sizes", sizes, torch.int32),
+    ):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"batch_memmove: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != dtype:
+            raise TypeError(f"batch_memmove: {name} must be {dtype}, got {tensor.dtype}")
+        if tensor.dim() != 1:
+            raise ValueError(f"batch_memmove: {name} must be 1-D, got shape {tuple(tensor.shape)}")
+    batch = src_ptrs.shape[0]
+    if dst_ptrs.shape[0] != batch or sizes.shape[0] != batch:
+        raise ValueError(
+            "batch_memmove: src_ptrs, dst_ptrs and sizes must have the same length, got "
+            f"{batch}, {dst_ptrs.shape[0]}, {sizes.shape[0]}"
+        )
+    if not (src_ptrs.device == dst_ptrs.device == sizes.device):
+        raise ValueError(
+            "batch_memmove: src_ptrs, dst_ptrs and sizes must be on one device, got "
+            f"{src_ptrs.device}, {dst_ptrs.device}, {sizes.device}"
+        )
+    if block_size is None:
+        block_size = NPU_BLOCK_SIZE if src_ptrs.device.type == "npu" else DEFAULT_BLOCK_SIZE
+    if block_size < _ALIGN or block_size & (block_size - 1):
+        raise ValueError(f"batch_memmove: block_size must be a power of two >= {_ALIGN}, got {block_size}")
+    if tiles < 1:
+        raise ValueError(f"batch_memmove: tiles must be >= 1, got {tiles}")
+    if batch == 0:
+        return
+    kwargs = {} if num_warps is None else {"num_warps": num_warps}
+    batch_memmove_kernel[(batch, tiles)](src_ptrs, dst_ptrs, sizes, BLOCK_SIZE=block_size, **kwargs)

@@ -30,9 +30,14 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpe
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker import mamba_utils
 
-import vllm_ascend.device.hardware_profile as hardware_profile
 import vllm_ascend.envs as envs_ascend
 import vllm_ascend.patch.worker.patch_mamba_utils as pm
+import vllm_ascend.utils
+
+try:  # vllm-ascend 0.27.1rc1 on: hardware profiles gate the Triton batch memcpy
+    import vllm_ascend.device.hardware_profile as hardware_profile
+except ImportError:  # earlier releases: is_310p()
+    hardware_profile = None
 
 settings.register_profile(
     "ci", max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -40,9 +45,20 @@ settings.register_profile(
 settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ = settings.get_profile(os.environ.get("VLLM_ASCEND_FUZZ_PROFILE", "ci"))
 
+
+class CopyFuncs(tuple):
+    """The copy functions in both shapes releases pass them: a tuple, or a mapping by mamba_type."""
+
+    def __getitem__(self, key):
+        return super().__getitem__(key) if isinstance(key, (int, slice)) else tuple(self)
+
+
 ENV = "VLLM_ASCEND_MAMBA_COPY_BACKEND"
-COPY_FUNCS = (get_conv_copy_spec, get_temporal_copy_spec)
+COPY_FUNCS = CopyFuncs((get_conv_copy_spec, get_temporal_copy_spec))
 GUARD = 64
+# The layerwise copy path (prepare/do/finish_mamba_copy_by_layer), where the release has it.
+LAYERWISE = hasattr(pm, "prepare_mamba_copy_by_layer")
+RUNS = ["run_whole_batch", "run_layerwise"] if LAYERWISE else ["run_whole_batch"]
 
 
 @contextlib.contextmanager
@@ -55,8 +71,11 @@ def bound(monkeypatch, backend=None, npu=True, env=None):
         mp.delenv(ENV, raising=False)
         for name, value in (env or ({ENV: backend} if backend is not None else {})).items():
             mp.setenv(name, value)
-        profile = SimpleNamespace(supports=lambda capability: npu)
-        mp.setattr(hardware_profile, "get_current_hardware_profile", lambda: profile)
+        if hardware_profile is not None:
+            profile = SimpleNamespace(supports=lambda capability: npu)
+            mp.setattr(hardware_profile, "get_current_hardware_profile", lambda: profile)
+        else:
+            mp.setattr(vllm_ascend.utils, "is_310p", lambda: not npu)
         try:
             importlib.reload(pm)
             yield pm
@@ -130,7 +149,7 @@ class World:
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(layer_names=list(self.layer_names), kv_cache_spec=spec)],
         )
-        self.copy_funcs = {spec.mamba_type: COPY_FUNCS}
+        self.copy_funcs = COPY_FUNCS
         self.copy_bufs = mamba_utils.MambaCopyBuffers.create(8, self.kv_cache_config, self.copy_funcs, make_buffer)
         self.base = self.raw.data_ptr()
         self.copies = []
@@ -141,7 +160,8 @@ class World:
     def start_step(self):
         # What preprocess_mamba does before collecting.
         self.copy_bufs.offset = 0
-        pm._reset_layerwise_copy_meta(self.copy_bufs)
+        if LAYERWISE:
+            pm._reset_layerwise_copy_meta(self.copy_bufs)
         self.copies = []
 
     def collect(self, block_ids, src_idx, dest_idx, bias):
@@ -169,7 +189,8 @@ class World:
             self.copies.append((t_src, temp + dst_blk * self.temporal_bytes, self.temporal_bytes))
 
     def run_whole_batch(self):
-        pm._stage_mamba_copy_metadata(self.copy_bufs)
+        if hasattr(pm, "_stage_mamba_copy_metadata"):  # where the release stages during preprocessing
+            pm._stage_mamba_copy_metadata(self.copy_bufs)
         mamba_utils.do_mamba_copy_block(self.copy_bufs)
 
     def run_layerwise(self):
@@ -188,11 +209,11 @@ class World:
         return [(s + self.base, d + self.base, n) for s, d, n in self.copies]
 
 
-@pytest.fixture
-def kernel(monkeypatch):
-    k = UnorderedKernel()
-    monkeypatch.setattr(pm, "_batch_memcpy_triton", k)
-    return k
+def use_kernel(monkeypatch, kernel):
+    """Route every pointer launch of the bound path to ``kernel`` (by name, and as vLLM's batch_memcpy)."""
+    monkeypatch.setattr(pm, "_batch_memcpy_triton", kernel)
+    monkeypatch.setattr(mamba_utils, "batch_memcpy", kernel)
+    return kernel
 
 
 def _step(world, requests):
@@ -209,14 +230,13 @@ def test_npu_default_binds_upstream_torch_collector_and_copy(monkeypatch):
         assert ENV in envs_ascend.env_variables
 
 
-@pytest.mark.parametrize("run", ["run_whole_batch", "run_layerwise"])
+@pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("bias", [1, 2, 3])
 def test_same_block_conv_shift_matches_memmove(monkeypatch, bias, run):
     """The conv shift inside one block (dst < src < dst + size): the case that races."""
     world = World()
     with bound(monkeypatch):
-        k = UnorderedKernel()
-        monkeypatch.setattr(pm, "_batch_memcpy_triton", k)  # on the base, the default NPU path lands here
+        k = use_kernel(monkeypatch, UnorderedKernel())  # on the base, the default NPU path lands here
         _step(world, [([3, 5, 5, 7, 9], 1, 2, bias), ([4, 6, 8, 8, 10], 2, 3, 0)])
         before = world.bytes()
         getattr(world, run)()
@@ -224,7 +244,7 @@ def test_same_block_conv_shift_matches_memmove(monkeypatch, bias, run):
     world.assert_memmove(before)
 
 
-@pytest.mark.parametrize("run", ["run_whole_batch", "run_layerwise"])
+@pytest.mark.parametrize("run", RUNS)
 def test_pointer_tables_still_filled_for_ab_runs(monkeypatch, run):
     """torch path: the pointer tables hold the same copies as the tensor pairs, per layer too."""
     world = World()
@@ -236,22 +256,23 @@ def test_pointer_tables_still_filled_for_ab_runs(monkeypatch, run):
         got = list(zip(world.copy_bufs.src_ptrs.np[:n], world.copy_bufs.dst_ptrs.np[:n], world.copy_bufs.sizes.np[:n]))
         assert [tuple(int(x) for x in g) for g in got] == world._abs()
         assert [(s.data_ptr(), d.data_ptr(), s.numel() * s.element_size()) for s, d in pairs] == world._abs()
-        per_layer = world.copy_bufs._layer_copy_metadata
-        assert list(per_layer) == world.layer_names
-        flat = [c for name in world.layer_names for c in zip(*per_layer[name])]
-        assert sorted(flat) == sorted(world._abs())
+        if LAYERWISE:
+            per_layer = world.copy_bufs._layer_copy_metadata
+            assert list(per_layer) == world.layer_names
+            flat = [c for name in world.layer_names for c in zip(*per_layer[name])]
+            assert sorted(flat) == sorted(world._abs())
         before = world.bytes()
         getattr(world, run)()
     world.assert_memmove(before)
 
 
-def test_triton_backend_restores_the_pointer_kernel(monkeypatch, kernel):
-    """A/B: VLLM_ASCEND_MAMBA_COPY_BACKEND=triton runs upstream's pointer path, race included."""
+def test_triton_backend_restores_the_pointer_kernel(monkeypatch):
+    """A/B: VLLM_ASCEND_MAMBA_COPY_BACKEND=triton runs the previous pointer path, race included."""
     world = World()
     with bound(monkeypatch, "triton") as module:
-        monkeypatch.setattr(module, "_batch_memcpy_triton", kernel)
-        assert mamba_utils.collect_mamba_copy_meta is module._collect_mamba_copy_meta_with_layers
-        assert mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_npu
+        kernel = use_kernel(monkeypatch, UnorderedKernel())
+        assert mamba_utils.collect_mamba_copy_meta is not module._collect_mamba_copy_meta_torch
+        assert mamba_utils.do_mamba_copy_block is not module._do_mamba_copy_block_torch
         _step(world, [([3, 5, 5, 7, 9], 1, 2, 1)])
         before = world.bytes()
         world.run_whole_batch()
@@ -297,13 +318,13 @@ _request = st.integers(0, 2).flatmap(
 
 
 @FUZZ
-@given(requests=st.lists(_request, min_size=1, max_size=4), layerwise=st.booleans())
+@given(requests=st.lists(_request, min_size=1, max_size=4), layerwise=st.booleans() if LAYERWISE else st.just(False))
 def test_fuzz_any_batch_equals_pair_order_memmove(requests, layerwise):
     """Random block tables (shared and repeated blocks), indices and biases, several requests:
     the bound NPU path equals a memmove of every pair in collection order."""
     world = World()
     with pytest.MonkeyPatch.context() as mp, bound(mp):
-        mp.setattr(pm, "_batch_memcpy_triton", UnorderedKernel())
+        use_kernel(mp, UnorderedKernel())
         _step(world, requests)
         before = world.bytes()
         world.run_layerwise() if layerwise else world.run_whole_batch()

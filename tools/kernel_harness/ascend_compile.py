@@ -238,7 +238,7 @@ def main(argv=None) -> int:
             )
         )
 
-    failed = 0
+    failed = skipped = 0
     for label, path, rel, kernel, sig, consts in jobs:
         if path is None:
             if args.allow_missing:
@@ -248,13 +248,14 @@ def main(argv=None) -> int:
             print(f"FAIL {label}: {rel} not found in {', '.join(map(str, roots))}")
             continue
         result = _run_child(path, kernel, sig, consts)
+        skipped += result["status"] == "SKIP"
         if result["status"] not in ("OK", "SKIP"):
             failed += 1
         print(f"{result['status']} {label} [{path}]: {result['detail']}")
     import triton
 
     print(
-        f"ascend_compile: {len(jobs) - failed} ok, {failed} failed (triton-ascend {triton.__version__}, "
+        f"ascend_compile: {len(jobs) - failed - skipped} ok, {skipped} skipped, {failed} failed (triton-ascend {triton.__version__}, "
         f"target {TARGET[0]}/{TARGET[1]})"
     )
     return 1 if failed else 0

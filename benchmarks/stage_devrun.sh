@@ -10,13 +10,17 @@ mkdir -p "$DEST/tools/kernel_harness" "$DEST/benchmarks"
 cp "$SRC/tools/__init__.py" "$DEST/tools/"
 cp "$SRC"/tools/kernel_harness/*.py "$DEST/tools/kernel_harness/"
 cp "$SRC"/benchmarks/*.py "$SRC"/benchmarks/*.sh "$DEST/benchmarks/"
+# The unpatched pin: build/base-<pin> (`python -m tools.fork apply --base-only`), else build/base.
+PIN=$(sed -n 's/^version = "\(.*\)"/\1/p' "$SRC/fork.toml" | head -1)
 for tree in fork base; do
+    from=$tree
+    if [ "$tree" = base ] && [ -d "$SRC/build/base-$PIN" ]; then from=base-$PIN; fi
     for f in vllm_ascend/ops/triton/batch_memcpy.py vllm_ascend/ops/triton/batch_memmove.py \
-             vllm_ascend/ops/triton/mamba/postprocess.py $OPS/test_batch_memmove.py \
-             $OPS/test_postprocess_mamba_overlap.py; do
-        if [ -f "$SRC/build/$tree/$f" ]; then
+             vllm_ascend/ops/triton/mamba/postprocess.py vllm_ascend/worker/mamba_copy_checks.py \
+             $OPS/test_batch_memmove.py $OPS/test_postprocess_mamba_overlap.py $OPS/test_mamba_copy_bad_input.py; do
+        if [ -f "$SRC/build/$from/$f" ]; then
             mkdir -p "$DEST/build/$tree/$(dirname "$f")"
-            cp "$SRC/build/$tree/$f" "$DEST/build/$tree/$f"
+            cp "$SRC/build/$from/$f" "$DEST/build/$tree/$f"
         fi
     done
 done

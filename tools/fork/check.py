@@ -104,19 +104,12 @@ def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) 
 
 
 def overlay_problems(cfg: ForkConfig, tree: Path, version: str, patches: list[Patch]) -> list[str]:
-    """Files the fork adds: one owner each, and the same bytes on every base as in the overlay (the
-    pin's copy). On another base, files of patches the pin does not apply (variant-only) and overlay
+    """Files the fork adds: the same bytes on every base as in the overlay, which holds each file as
+    the whole series leaves it (later patches may change files earlier ones added). On another base, files of patches the pin does not apply (variant-only) and overlay
     files of pin patches that base skips (already upstream there) are not expected."""
     own = overlay.ownership(tree, version)
     name_of = {i: patches[i].name if i < len(patches) else own.commits[i][:12] for i in range(len(own.commits))}
     problems = []
-    for path, creators in sorted(own.created.items()):
-        if not overlay.in_overlay(path):
-            continue
-        touching = sorted(set(creators + own.modified.get(path, []) + own.deleted.get(path, [])))
-        if len(touching) > 1:
-            names = ", ".join(name_of[i] for i in touching)
-            problems.append(f"{path}: created by {name_of[creators[0]]} but touched by several patches ({names})")
     added = own.added_in_overlay()
     present = overlay.repo_files(cfg)
     if version != cfg.pin.version:

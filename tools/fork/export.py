@@ -63,7 +63,7 @@ def _require_exportable(tree: Path) -> None:
 
 
 def fold_overlay_edits(cfg: ForkConfig, tree: Path, version: str) -> list[str]:
-    """Move edits made to overlay files in the repository into the commit that creates each file."""
+    """Move edits made to overlay files in the repository into the last commit that touched each file."""
     state = State.load(tree)
     own = overlay.ownership(tree, version)
     fixups: dict[int, list[str]] = {}
@@ -82,7 +82,8 @@ def fold_overlay_edits(cfg: ForkConfig, tree: Path, version: str) -> list[str]:
         if repo_bytes == tree_bytes:
             continue
         if tree_bytes == last:
-            fixups.setdefault(creators[-1], []).append(path)
+            # git-absorb semantics: the last patch that touched the file takes the edit
+            fixups.setdefault(max(creators + own.modified.get(path, [])), []).append(path)
         elif repo_bytes != last:
             raise LocalEdits(
                 f"{path} was edited both in the overlay and in {tree}; keep one version "

@@ -1,7 +1,8 @@
 """The overlay: files the fork adds, kept in the repository at their upstream paths.
 
-Rule: each overlay file is created by exactly one patch and touched by no other, so the
-repository copy (the editing copy) and the patch never disagree about whose it is.
+Rule: the overlay holds each added file as the whole series leaves it. Later patches may change
+files earlier patches added; an edit made in the overlay is folded into the last patch that
+touched the file (git-absorb semantics), and `check` verifies overlay == end of series.
 """
 
 from __future__ import annotations

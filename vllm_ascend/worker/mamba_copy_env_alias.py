@@ -31,8 +31,7 @@ from collections.abc import Mapping
 
 from vllm.logger import logger
 
-from vllm_ascend.worker.mamba_state_copy import ENV_NAME, MambaCopyConfigError, resolve_backend
-
+ENV_NAME = "VLLM_ASCEND_MAMBA_COPY_BACKEND"
 ALIAS_NAME = "GLM53_BATCH_MEMCPY"
 ALIAS_BACKEND = "triton"
 
@@ -44,17 +43,15 @@ def mamba_copy_backend_from_env(environ: Mapping[str, str] | None = None) -> str
     if alias is None or alias.strip() == "0":
         return None
     if alias.strip() != "1":
-        raise MambaCopyConfigError(
+        raise ValueError(
             f"Unknown {ALIAS_NAME}={alias!r}; allowed values: 1 (means {ENV_NAME}={ALIAS_BACKEND}), "
             "0 or unset (no opinion)."
         )
-    upstream = environ.get(ENV_NAME, "")
-    if upstream.strip():
-        chosen = resolve_backend(upstream)
-        if chosen != ALIAS_BACKEND:
-            raise MambaCopyConfigError(
-                f"Conflicting Mamba state copy settings: {ALIAS_NAME}=1 selects {ALIAS_BACKEND!r}, "
-                f"but {ENV_NAME}={upstream!r} selects {chosen!r}. Unset one of them or make them agree."
-            )
+    upstream = environ.get(ENV_NAME) or ""
+    if upstream.strip() and upstream.strip().lower() != ALIAS_BACKEND:
+        raise ValueError(
+            f"Conflicting Mamba state copy settings: {ALIAS_NAME}=1 selects {ALIAS_BACKEND!r}, "
+            f"but {ENV_NAME}={upstream!r} selects {upstream.strip().lower()!r}. Unset one of them or make them agree."
+        )
     logger.info_once("%s=1: Mamba state copies use %s=%s.", ALIAS_NAME, ENV_NAME, ALIAS_BACKEND)
     return ALIAS_BACKEND

@@ -30,10 +30,19 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
+from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_ascend.patch.worker.patch_mamba_utils import _postprocess_mamba_align_gpu_cpu_fallback
 
-COPY_FUNCS = (get_conv_copy_spec, get_temporal_copy_spec)
+
+class _CopyFuncs(tuple):
+    """The copy functions in both shapes releases pass them: a tuple, or a mapping by mamba_type."""
+
+    def __getitem__(self, key):
+        return super().__getitem__(key) if isinstance(key, (int, slice)) else tuple(self)
+
+
+COPY_FUNCS = _CopyFuncs((get_conv_copy_spec, get_temporal_copy_spec))
 NUM_STEPS = 200
 LAYERS = ("model.layers.0.linear_attn", "model.layers.1.linear_attn")
 WIDTH, DIM, TEMPORAL = 4, 4, (2, 3)  # conv state (WIDTH, DIM), temporal state TEMPORAL, per block
@@ -150,7 +159,16 @@ def run_fallback(block_size, reqs, snapshot, live, block_table, pools):
         num_accepted_tokens_gpu=torch.tensor(snapshot + [0, 0], dtype=torch.int32),
         num_accepted_tokens_cpu_tensor=out,
         input_batch=input_batch,
-        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=list(LAYERS))]),
+        kv_cache_config=SimpleNamespace(
+            kv_cache_groups=[
+                SimpleNamespace(
+                    layer_names=list(LAYERS),
+                    kv_cache_spec=MambaSpec(
+                        block_size=block_size, shapes=((WIDTH, DIM), TEMPORAL), dtypes=(torch.float32, torch.float32)
+                    ),
+                )
+            ]
+        ),
         forward_context=pools.forward_context,
         mamba_state_copy_funcs=COPY_FUNCS,
     )

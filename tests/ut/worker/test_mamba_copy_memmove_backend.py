@@ -14,104 +14,65 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 #
-"""VLLM_ASCEND_MAMBA_COPY_BACKEND=memmove binds batch_memmove as mamba_utils.batch_memcpy.
+"""VLLM_ASCEND_MAMBA_COPY_BACKEND=memmove: batch_memmove on the whole-batch and the layerwise path.
 
-Real Triton cannot run under tests/ut (its conftest mocks ``triton.runtime``), so the
-kernel object behind ``batch_memmove`` is replaced by a host launcher that checks the
-launch and moves the bytes with memmove semantics; the copy kernel itself is tested
-under the Triton interpreter and on devices by the op tests in
+Real Triton cannot run under tests/ut (its conftest mocks ``triton.runtime``), so
+``batch_memmove`` is replaced by a host launcher that checks the launch and moves
+the bytes with memmove semantics, pairs in reverse order (an unordered launch);
+the kernel itself is tested under the Triton interpreter and on devices by
 tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_batch_memmove.py.
 """
 
 import ctypes
-import importlib
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker import mamba_utils
 
-import vllm_ascend.envs as envs_ascend
-import vllm_ascend.ops.triton.batch_memmove as batch_memmove_module
-import vllm_ascend.patch.worker.patch_mamba_utils as patch_mamba_utils
-from tests.ut.worker.mamba_copy_testing import restored_bindings
-from vllm_ascend.worker import mamba_state_copy as msc
+from tests.ut.patch.worker.test_patch_mamba_utils_overlap import LAYERWISE, UnorderedKernel, World, bound, use_kernel
 
 
-class HostLauncher:
-    """Stands in for ``batch_memmove_kernel``: records ``kernel[grid](...)`` and memmoves every pair."""
-
+class HostMemmove:
     def __init__(self):
         self.launches = []
 
-    def __getitem__(self, grid):
-        def launch(src_ptrs, dst_ptrs, sizes, **meta):
-            self.launches.append((grid, src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist(), meta))
-            for s, d, n in zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()):
-                if n > 0:
-                    ctypes.memmove(d, ctypes.string_at(s, n), n)
-
-        return launch
-
-
-def test_memmove_is_an_allowed_value():
-    assert "memmove" in envs_ascend.MAMBA_COPY_BACKENDS
-    with pytest.raises(msc.MambaCopyConfigError, match="allowed values: torch, triton, memmove"):
-        msc.resolve_backend("memcpy")
+    def __call__(self, src_ptrs, dst_ptrs, sizes, *, tiles=16, **kwargs):
+        assert src_ptrs.dtype == dst_ptrs.dtype == torch.int64 and sizes.dtype == torch.int32
+        assert tiles >= 1 and sizes.shape[0] * tiles <= 65535, (sizes.shape[0], tiles)
+        pairs = list(zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()))
+        self.launches.append((pairs, tiles))
+        for s, d, n in reversed(pairs):
+            if n > 0:
+                ctypes.memmove(d, ctypes.string_at(s, n), n)
 
 
-def test_switch_binds_batch_memmove_at_start_up(monkeypatch):
-    monkeypatch.setenv(msc.ENV_NAME, "memmove")
-    with restored_bindings():
-        importlib.reload(patch_mamba_utils)
-        assert msc.active_backend() == "memmove"
-        assert mamba_utils.batch_memcpy is batch_memmove_module.batch_memmove
-        assert mamba_utils.collect_mamba_copy_meta is msc.collect_mamba_copy_meta
-        assert mamba_utils.do_mamba_copy_block is msc.do_mamba_copy_block
+@pytest.mark.parametrize("layerwise", [False, True] if LAYERWISE else [False])
+@pytest.mark.parametrize("bias", [1, 3])
+def test_memmove_backend_runs_every_copy_path_overlap_safe(monkeypatch, bias, layerwise):
+    world = World()
+    memmove = HostMemmove()
+    with bound(monkeypatch, "memmove") as module:
+        monkeypatch.setattr(module, "batch_memmove", memmove)
+        use_kernel(monkeypatch, UnorderedKernel())  # the pointer kernel of "triton": must not be used
+        assert mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_npu
+        world.start_step()
+        world.collect([3, 5, 5, 7, 9, 10], 1, 2, bias)  # same-block conv shift
+        world.collect([4, 6, 8, 1, 10, 11], 0, 2, 2)
+        before = world.bytes()
+        world.run_layerwise() if layerwise else world.run_whole_batch()
+        assert len(memmove.launches) == (len(world.layer_names) if layerwise else 1)
+        assert mamba_utils.batch_memcpy.launches == []
+    world.assert_memmove(before)
 
 
-def test_memmove_backend_moves_overlapping_pairs_through_batch_memmove(monkeypatch):
-    launcher = HostLauncher()
-    monkeypatch.setattr(batch_memmove_module, "batch_memmove_kernel", launcher)
-    gen = torch.Generator().manual_seed(3)
-    pool = torch.randint(-(2**15), 2**15, (8, 32), dtype=torch.int16, generator=gen)
-    before = pool.numpy().tobytes()
-    es, base = pool.element_size(), pool.data_ptr()
-    pairs = [(4, 0, 28), (100, 104, 40), (200, 200, 8), (160, 224, 32)]  # left, right, exact, disjoint (elements)
-
-    def make_buffer(n, dtype):
-        return CpuGpuBuffer(n, dtype=dtype, device=torch.device("cpu"), pin_memory=False)
-
-    bufs = SimpleNamespace(
-        src_ptrs=make_buffer(4, torch.int64), dst_ptrs=make_buffer(4, torch.int64), sizes=make_buffer(4, torch.int32)
-    )
-    bufs.offset = 0
-    with restored_bindings():
-        msc.bind_mamba_state_copy(
-            mamba_utils, on_310p=False, pointer_kernels=patch_mamba_utils._MAMBA_COPY_POINTER_KERNELS, backend="memmove"
-        )
-        for s, d, n in pairs:
-            msc.record_copy(bufs, pool, base + s * es, pool, base + d * es, n * es)
-        mamba_utils.do_mamba_copy_block(bufs)
-
-    expected = np.frombuffer(before, dtype=np.uint8).copy()
-    for s, d, n in pairs:
-        expected[d * es : (d + n) * es] = expected[s * es : (s + n) * es].copy()
-    np.testing.assert_array_equal(pool.numpy().view(np.uint8).reshape(-1), expected)
-    assert len(launcher.launches) == 1  # hazard-free batch: one launch of the whole batch
-    grid, src, dst, sizes, _ = launcher.launches[0]
-    assert grid[0] == len(pairs)
-    assert (src, dst, sizes) == (
-        [base + s * es for s, _, _ in pairs],
-        [base + d * es for _, d, _ in pairs],
-        [n * es for _, _, n in pairs],
-    )
-
-
-def test_memmove_is_refused_on_310p():
-    with restored_bindings(), pytest.raises(msc.MambaCopyConfigError, match="310P"):
-        msc.bind_mamba_state_copy(
-            mamba_utils, on_310p=True, pointer_kernels=patch_mamba_utils._MAMBA_COPY_POINTER_KERNELS, backend="memmove"
-        )
+def test_large_batches_bound_the_grid(monkeypatch):
+    memmove = HostMemmove()
+    with bound(monkeypatch, "memmove") as module:
+        monkeypatch.setattr(module, "batch_memmove", memmove)
+        n = 8192
+        buf = torch.zeros(2 * n, dtype=torch.uint8)
+        src = torch.full((n,), buf.data_ptr(), dtype=torch.int64)
+        dst = torch.arange(n, dtype=torch.int64) + buf.data_ptr() + n
+        module._batch_memmove(src, dst, torch.ones(n, dtype=torch.int32))
+        module._batch_memmove(src[:2], dst[:2], torch.ones(2, dtype=torch.int32))
+    assert [tiles for _, tiles in memmove.launches] == [7, 16]

@@ -32,6 +32,7 @@ POST1, V0 = "0.23.0.post1", "0.23.0"
 SHA256 = {
     POST1: "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1",
     V0: "a58db76eaffcf328b13b315a0db3a57d381a8947d01057ddcefe4ad02372b242",
+    "0.30.0rc2": "05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f",  # the pin since issue 11
 }
 MAMBA_UTILS = "vllm_ascend/patch/worker/patch_mamba_utils.py"
 SNAPSHOT_TEST = "tests/ut/_310p/test_mamba_align_fallback_310p_snapshot.py"

@@ -30,7 +30,9 @@ def test_series_kernels_pass_the_front_end():
     rc, out = run("--tree", str(ROOT), "--tree", str(FORK))
     lines = [line for line in out.splitlines() if line.startswith(("OK ", "FAIL ", "SKIP "))]
     assert rc == 0, out
-    assert len(lines) == 3 and all(line.startswith("OK ") for line in lines), out
+    # 4 kernels: the DS conv row variant is SKIP on releases whose postprocess kernel has no DS path
+    assert len(lines) == 4 and all(line.startswith(("OK ", "SKIP ")) for line in lines), out
+    assert sum(line.startswith("OK ") for line in lines) >= 3, out
     assert "ConvertLinalgRToBinary" in out
 
 

@@ -4,7 +4,9 @@
 
 Runs on `npu`, else `cuda`, else the CPU under the Triton interpreter
 (TRITON_INTERPRET=1). Needs no vLLM engine: the kernel is launched directly
-with the metadata `MambaSpecDecodeGPUContext` would build.
+with the metadata vLLM's postprocess context builds, in both conv layouts the
+kernel has (SD: `(blocks, width, dim)`; DS, `CONV_STATE_DIM_FIRST`:
+`(blocks, dim, width)`, copied row by row), where the kernel file has them.
 
 Two oracles:
 * a plain-Python model of the kernel's documented decision rule (copy or not,
@@ -14,14 +16,20 @@ Two oracles:
   snapshots of every state pool (the whole pool must match, so bytes outside
   the destinations stay unchanged).
 
-A same-block conv shift copies state[blk, bias:] to state[blk, :width - bias]:
-dst < src < dst + size. Without `tl.debug_barrier()` between load and store the
-copy races on a GPU when rows are long and the shift small;
-`test_long_rows_small_shifts` uses that geometry on a device, so it fails on the
-unguarded kernel there. The interpreter runs lanes in lock-step and cannot show
-the race; on the CPU these tests check decisions and copy semantics only.
+A same-block conv shift copies state[blk, bias:] to state[blk, :width - bias]
+(per row in DS): dst < src < dst + size, a left overlap. Only a GPU or NPU run
+can fail on a missing left guard (`is_left_overlap` + `tl.debug_barrier()`):
+without it the copy races there when rows are long and the shift small, and
+`test_long_rows_small_shifts` uses that geometry on a device. The Triton
+interpreter runs a program's lanes in lock-step, so a forward copy with
+dst < src is correct there and these tests pass on the CPU with or without the
+guard; on the CPU they check decisions and copy semantics only. A right
+overlap (dst > src) walked forwards would fail everywhere, the interpreter
+included, but this kernel never produces one (distinct blocks never overlap,
+and a temporal copy onto its own block is an exact overlap).
 """
 
+import dataclasses
 import os
 import random
 from dataclasses import dataclass
@@ -45,6 +53,9 @@ DEVICE = _select_device()
 INTERPRETED = DEVICE == "cpu"
 COPY_BLOCK_SIZE = 1024  # what vLLM's run_fused_postprocess passes
 MAX_ACCEPTED = 4  # 3 speculative tokens
+KERNEL_ARGS = set(postprocess_mamba_fused_kernel.arg_names)
+HAS_DS = "CONV_STATE_DIM_FIRST" in KERNEL_ARGS  # the DS conv row path (vllm-ascend 0.27.1rc1 on)
+LAYOUTS = ["sd", "ds"] if HAS_DS else ["sd"]
 
 
 def _sync() -> None:
@@ -114,6 +125,7 @@ class Geometry:
     temporal_shape: tuple
     num_layers: int = 2
     num_groups: int = 2
+    ds: bool = False  # conv state (blocks, dim, width): CONV_STATE_DIM_FIRST
 
 
 class Pools:
@@ -125,7 +137,8 @@ class Pools:
         num_blocks = num_reqs * blocks_per_req + 3
         self.states = []  # flattened: layer * 2 + (0 conv, 1 temporal)
         for _ in range(geo.num_layers):
-            conv = torch.randn(num_blocks, geo.conv_width, geo.conv_dim, generator=gen).to(geo.conv_dtype)
+            conv_shape = (geo.conv_dim, geo.conv_width) if geo.ds else (geo.conv_width, geo.conv_dim)
+            conv = torch.randn(num_blocks, *conv_shape, generator=gen).to(geo.conv_dtype)
             temporal = torch.randn(num_blocks, *geo.temporal_shape, generator=gen)
             self.states += [conv.to(DEVICE), temporal.to(DEVICE)]
         # Each group owns its physical blocks: a shuffled, disjoint set per request.
@@ -139,15 +152,23 @@ class Pools:
         self.group_of_layer = [layer % geo.num_groups for layer in range(geo.num_layers)]
 
     def metadata(self):
-        base, stride, elem, inner, width, group = [], [], [], [], [], []
+        base, stride, elem, inner, width, group, rows, row_stride = [], [], [], [], [], [], [], []
         for idx, state in enumerate(self.states):
             is_conv = idx % 2 == 0
             base.append(state.data_ptr())
             stride.append(state.stride(0) * state.element_size())
             elem.append(state.element_size())
-            inner.append(state.stride(1) if is_conv else state[0].numel())
-            width.append(state.size(1) if is_conv else 0)
             group.append(self.group_of_layer[idx // 2])
+            if is_conv and self.geo.ds:  # as vLLM's context fills it for CONV_STATE_DIM_FIRST
+                inner.append(1)
+                width.append(state.size(2))
+                rows.append(state.size(1))
+                row_stride.append(state.stride(1) * state.element_size())
+            else:
+                inner.append(state.stride(1) if is_conv else state[0].numel())
+                width.append(state.size(1) if is_conv else 0)
+                rows.append(0)
+                row_stride.append(0)
 
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype, device=DEVICE)
@@ -161,6 +182,8 @@ class Pools:
             state_inner_sizes=t(inner, torch.int64),
             state_conv_widths=t(width, torch.int32),
             state_group_indices=t(group, torch.int32),
+            state_dim_row_count=t(rows, torch.int32),
+            state_dim_row_stride=t(row_stride, torch.int64),
         )
 
     def snapshot(self) -> list:
@@ -177,15 +200,23 @@ class Pools:
                 table = tables[self.group_of_layer[idx // 2]][req]
                 esize = state.element_size()
                 block_bytes = state.stride(0) * esize
-                if idx % 2 == 0:  # conv: state[src, bias:] -> state[dest, :width - bias]
+                dst = int(table[dec.dest_idx]) * block_bytes
+                buf = after[idx]
+                if idx % 2 == 0 and self.geo.ds:  # DS conv: per dim row, row[bias:] -> row[:width - bias]
+                    row_bytes = state.stride(1) * esize
+                    src = int(table[dec.src_idx]) * block_bytes + dec.bias * esize
+                    size = (state.size(2) - dec.bias) * esize
+                    for r in range(state.size(1)):
+                        o = r * row_bytes
+                        buf[dst + o : dst + o + size] = buf[src + o : src + o + size].copy()
+                    continue
+                if idx % 2 == 0:  # SD conv: state[src, bias:] -> state[dest, :width - bias]
                     row = state.stride(1) * esize
                     src = int(table[dec.src_idx]) * block_bytes + dec.bias * row
                     size = (state.size(1) - dec.bias) * row
                 else:  # temporal: state[table[src + bias]] -> state[table[dest]]
                     src = int(table[dec.src_idx + dec.bias]) * block_bytes
                     size = state[0].numel() * esize
-                dst = int(table[dec.dest_idx]) * block_bytes
-                buf = after[idx]
                 buf[dst : dst + size] = buf[src : src + size].copy()
         return after
 
@@ -199,26 +230,31 @@ def run_fused(pools: Pools, steps: list, num_warps: int = 4, grid_rows: int | No
     accepted = col("num_accepted")
     accepted_out = accepted.clone()  # run_fused_postprocess initialises the output this way
     grid = (grid_rows or len(steps), len(pools.states))
-    postprocess_mamba_fused_kernel[grid](
-        accepted,
-        col("state_idx"),
-        col("num_scheduled"),
-        col("num_computed"),
-        col("num_draft"),
-        meta["block_table_ptrs"],
-        meta["block_table_stride"],
-        meta["state_base_addrs"],
-        meta["state_block_strides"],
-        meta["state_elem_sizes"],
-        meta["state_inner_sizes"],
-        meta["state_conv_widths"],
-        meta["state_group_indices"],
-        accepted_out,
-        len(steps),
+    args = dict(
+        num_accepted_tokens_ptr=accepted,
+        mamba_state_idx_ptr=col("state_idx"),
+        num_scheduled_tokens_ptr=col("num_scheduled"),
+        num_computed_tokens_ptr=col("num_computed"),
+        num_draft_tokens_ptr=col("num_draft"),
+        block_table_ptrs_ptr=meta["block_table_ptrs"],
+        block_table_stride_req=meta["block_table_stride"],
+        state_base_addrs_ptr=meta["state_base_addrs"],
+        state_block_strides_ptr=meta["state_block_strides"],
+        state_elem_sizes_ptr=meta["state_elem_sizes"],
+        state_inner_sizes_ptr=meta["state_inner_sizes"],
+        state_conv_widths_ptr=meta["state_conv_widths"],
+        state_group_indices_ptr=meta["state_group_indices"],
+        state_dim_row_count_ptr=meta["state_dim_row_count"],
+        state_dim_row_stride_ptr=meta["state_dim_row_stride"],
+        num_accepted_tokens_out_ptr=accepted_out,
+        idx_mapping_ptr=None,
+        num_reqs=len(steps),
         block_size=pools.geo.block_size,
         COPY_BLOCK_SIZE=COPY_BLOCK_SIZE,
-        num_warps=num_warps,
+        CONV_STATE_DIM_FIRST=pools.geo.ds,
     )
+    # The kernel's signature differs between releases: pass what this kernel file takes.
+    postprocess_mamba_fused_kernel[grid](**{k: v for k, v in args.items() if k in KERNEL_ARGS}, num_warps=num_warps)
     _sync()
     return accepted_out.cpu()
 
@@ -239,6 +275,8 @@ def check(pools: Pools, steps: list, num_warps: int = 4, grid_rows: int | None =
 
 
 SMALL = Geometry(block_size=16, conv_width=4, conv_dim=24, conv_dtype=torch.float16, temporal_shape=(4, 8))
+SMALL_DS = dataclasses.replace(SMALL, ds=True)
+GEOMETRY = {"sd": SMALL, "ds": SMALL_DS}
 
 
 def test_reference_rule_examples():
@@ -253,15 +291,16 @@ def test_reference_rule_examples():
     assert reference_decision(Step(2, 1, 3, 19, 2), 16) == Decision(False, 1, -1, 0, 2)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", range(3))
-def test_same_block_conv_shift_every_bias_matches_memmove_and_reference(seed):
+def test_same_block_conv_shift_every_bias_matches_memmove_and_reference(seed, layout):
     rng = random.Random(seed)
     kinds = [("shift", b) for b in range(1, SMALL.conv_width)]
     kinds += [("stay", 0), ("none", 0)] + [("move", b) for b in range(0, SMALL.conv_width)]
     kinds += [rng.choice(kinds) for _ in range(6)]
     rng.shuffle(kinds)
     steps = [make_step(rng, kind, SMALL.block_size, bias) for kind, bias in kinds]
-    pools = Pools(SMALL, num_reqs=len(steps), blocks_per_req=12, seed=seed)
+    pools = Pools(GEOMETRY[layout], num_reqs=len(steps), blocks_per_req=12, seed=seed)
     decisions = check(pools, steps, grid_rows=len(steps) + 2)  # extra grid rows must do nothing
     # The generated kinds really are what the reference decides (keeps the generator honest).
     for (kind, bias), dec in zip(kinds, decisions):
@@ -275,8 +314,9 @@ def test_same_block_conv_shift_every_bias_matches_memmove_and_reference(seed):
             assert not dec.copy and dec.dest_idx == -1
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", range(2))
-def test_random_steps_match_reference(seed):
+def test_random_steps_match_reference(seed, layout):
     """Random per-request numbers (not generated by kind): decisions and copies follow the rule."""
     rng = random.Random(100 + seed)
     bs = SMALL.block_size
@@ -288,13 +328,15 @@ def test_random_steps_match_reference(seed):
         dest = (running + accepted - 1) // bs - 1
         state_idx = rng.choice([dest, max(0, dest - 1), (running - 1) // bs])
         steps.append(Step(accepted, state_idx, num_draft + 1, running - 1, num_draft))
-    pools = Pools(SMALL, num_reqs=len(steps), blocks_per_req=12, seed=seed)
+    pools = Pools(GEOMETRY[layout], num_reqs=len(steps), blocks_per_req=12, seed=seed)
     check(pools, steps)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("num_warps", [4] if INTERPRETED else [4, 8, 16])
-def test_long_rows_small_shifts(num_warps):
-    """Same-block conv shifts of 16-48 bytes over ~32 KiB rows (width 2049 x 16 bytes) on every request.
+def test_long_rows_small_shifts(num_warps, layout):
+    """Same-block conv shifts of 16-48 bytes over ~32 KiB rows (SD: width 2049 x 16 bytes; DS: 8196 x 4 bytes,
+    shifts of 4-12 bytes) on every request.
 
     On a GPU the unguarded kernel corrupts this geometry (lanes drift apart over 32 loop passes);
     the guarded kernel must give memmove results in every trial."""
@@ -304,6 +346,8 @@ def test_long_rows_small_shifts(num_warps):
     else:
         geo = Geometry(block_size=16, conv_width=2049, conv_dim=4, conv_dtype=torch.float32, temporal_shape=(64,))
         num_reqs, trials = 512, 5
+    if layout == "ds":  # long DS rows: width x 4 bytes per row, 2 rows per block
+        geo = dataclasses.replace(geo, conv_width=geo.conv_width * 4, conv_dim=2, ds=True)
     rng = random.Random(num_warps)
     for trial in range(trials):
         steps = [make_step(rng, "shift", geo.block_size, 1 + r % (MAX_ACCEPTED - 1)) for r in range(num_reqs)]

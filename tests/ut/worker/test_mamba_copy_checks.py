@@ -1,0 +1,153 @@
+#
+# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
+# This file is a part of the vllm-ascend project.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+"""Host-side validation and ordered launches for the Mamba state copy pointer path.
+
+Oracles: a numpy memmove of every pair in pair order, and a brute-force O(n^2)
+conflict check. The pointer kernel is a host model of one launch whose programs
+run in reverse pair order (one legal schedule of an unordered launch, and the
+adversarial one for pair-order semantics).
+"""
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.ut.patch.worker.test_patch_mamba_utils_overlap import LAYERWISE, World, bound, memmove_oracle, use_kernel
+from vllm_ascend.worker.mamba_copy_checks import MambaCopyValidationError, plan_ordered_launches, validate_copy_batch
+
+settings.register_profile(
+    "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("long", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings.get_profile(os.environ.get("VLLM_ASCEND_FUZZ_PROFILE", "ci"))
+
+
+def _conflict(a, b):
+    (sa, da, za), (sb, db, zb) = a, b
+    if za == 0 or zb == 0:
+        return False
+
+    def hit(x, y, n, m):
+        return x < y + m and y < x + n
+
+    return hit(da, db, za, zb) or hit(da, sb, za, zb) or hit(sa, db, za, zb)
+
+
+def _run_launch_unordered(buf, pairs):
+    """One launch: every pair is a memmove of its own, pairs in reverse order."""
+    for s, d, n in reversed(pairs):
+        buf[d : d + n] = buf[s : s + n].copy()
+
+
+class ReverseLaunchKernel:
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, src_ptrs, dst_ptrs, sizes):
+        pairs = list(zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()))
+        self.launches.append(pairs)
+        for s, d, n in reversed(pairs):
+            if n > 0:
+                ctypes.memmove(d, ctypes.string_at(s, n), n)
+
+
+_pairs = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200), st.integers(0, 40)), min_size=0, max_size=12)
+
+
+@FUZZ
+@given(pairs=_pairs)
+def test_fuzz_plan_equals_pair_order_memmove(pairs):
+    plan = plan_ordered_launches(*(np.array(c, dtype=np.int64) for c in zip(*pairs))) if pairs else None
+    hazard = any(_conflict(pairs[i], pairs[j]) for i in range(len(pairs)) for j in range(i))
+    assert (plan is not None) == hazard
+    launches = [list(range(len(pairs)))] if plan is None else [rows.tolist() for rows in plan]
+    assert sorted(i for rows in launches for i in rows) == list(range(len(pairs)))
+    for rows in launches:  # no conflict left inside one launch
+        assert not any(_conflict(pairs[i], pairs[j]) for i in rows for j in rows if i < j)
+    buf = np.arange(256, dtype=np.uint8)
+    expected = memmove_oracle(buf, pairs)
+    for rows in launches:
+        _run_launch_unordered(buf, [pairs[i] for i in rows])
+    np.testing.assert_array_equal(buf, expected)
+
+
+def test_shared_source_blocks_stay_one_launch():
+    """Several requests reading one prefix-cache block is read-read: no split."""
+    src = np.array([1000, 1000, 1000], dtype=np.int64)
+    dst = np.array([2000, 3000, 4000], dtype=np.int64)
+    assert plan_ordered_launches(src, dst, np.array([512, 512, 512])) is None
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "size", "what"),
+    [
+        (0, 4096, 16, "source address <= 0"),
+        (4096, -8, 16, "destination address <= 0"),
+        (4096, 8192, -1, r"size outside \[0, 2\*\*31\)"),
+        (4096, 8192, 2**31, r"size outside \[0, 2\*\*31\)"),
+        (4096, 9000, 16, "destination range outside every state pool"),
+        (10, 8192, 16, "source range outside every state pool"),
+        (8190, 4096, 16, "source range outside every state pool"),
+    ],
+)
+def test_bad_metadata_is_refused_naming_the_pair(src, dst, size, what):
+    pools = {4096: 4096 + 1024, 8192: 8192 + 8}  # [4096, 5120) and [8192, 8200)
+    src_ptrs, dst_ptrs, sizes = [4096, src], [4608, dst], [8, size]
+    with pytest.raises(MambaCopyValidationError, match=rf"copy 1 of 2: {what}"):
+        validate_copy_batch(src_ptrs, dst_ptrs, sizes, pools if "pool" in what else None)
+
+
+def test_tables_of_different_lengths_are_refused():
+    with pytest.raises(MambaCopyValidationError, match="different lengths"):
+        validate_copy_batch([1, 2], [3], [4, 5])
+
+
+@pytest.mark.parametrize("layerwise", [False, True] if LAYERWISE else [False])
+def test_pointer_path_splits_hazardous_batches_into_ordered_launches(monkeypatch, layerwise):
+    """Two requests whose moves chain through one block (b -> c, then a -> b): one launch in reverse
+    order would copy a into b before b is read; the ordered launches give pair-order memmove."""
+    world = World()
+    kernel = ReverseLaunchKernel()
+    with bound(monkeypatch, "triton"):
+        use_kernel(monkeypatch, kernel)
+        world.start_step()
+        world.collect([4, 5, 6, 7, 8, 9], 1, 2, 0)  # block 5 -> block 6
+        world.collect([3, 4, 5, 7, 8, 9], 1, 2, 0)  # block 4 -> block 5
+        before = world.bytes()
+        if layerwise:
+            world.run_layerwise()
+        else:
+            world.run_whole_batch()
+        assert len(kernel.launches) == (4 if layerwise else 2)
+    world.assert_memmove(before)
+
+
+def test_bad_metadata_never_reaches_a_launch(monkeypatch):
+    world = World()
+    kernel = ReverseLaunchKernel()
+    with bound(monkeypatch, "triton"):
+        use_kernel(monkeypatch, kernel)
+        world.start_step()
+        world.collect([3, 5, 5, 7, 9, 10], 1, 2, 1)
+        world.copy_bufs.dst_ptrs.np[1] = 0  # a null destination
+        with pytest.raises(MambaCopyValidationError, match="copy 1 of 4: destination address <= 0"):
+            world.run_whole_batch()
+    assert kernel.launches == []

@@ -33,6 +33,11 @@ def add_source_arguments(p) -> None:
     src.add_argument(
         "--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist"
     )
+    p.add_argument(
+        "--version-unchecked",
+        action="store_true",
+        help="accept a --checkout whose version cannot be read from it (tag, PKG-INFO, _version.py)",
+    )
 
 
 def run(args, cfg) -> int:
@@ -46,7 +51,11 @@ def run(args, cfg) -> int:
     sources = []
 
     def source():
-        sources.append(upstream.resolve(cfg, base.version, sdist=args.sdist, checkout=args.checkout))
+        sources.append(
+            upstream.resolve(
+                cfg, base.version, sdist=args.sdist, checkout=args.checkout, version_unchecked=args.version_unchecked
+            )
+        )
         return sources[-1]
 
     outcome = materialize(tree.resolve(), source, base.version, patches, force=args.force)

@@ -185,6 +185,8 @@ class Fork:
         self.cache = tmp / "cache"
         self.elsewhere = tmp / "elsewhere"  # sdists not in the cache (for --sdist)
         monkeypatch.setenv("FORK_CACHE", str(self.cache))
+        # A rebase tests the tree before it writes: here with this Python (pytest, tree on PYTHONPATH).
+        monkeypatch.setenv("FORK_TEST_PYTHON", sys.executable)
         self.sha: dict[str, str] = {}
         self.releases = releases
         for version, files in releases.items():

@@ -255,9 +255,7 @@ def checkout_version(path: Path) -> tuple[str | None, str]:
     # The version its build would report: setuptools-scm's pretend variable, or a written _version.py.
     version_py = path / "vllm_ascend" / "_version.py"
     if version_py.is_file():
-        m = re.search(
-            r"""^(?:__version__|version)\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""", version_py.read_text(), re.M
-        )
+        m = re.search(r"""^(?:__version__|version)\b[^=\n]*=[^'"\n]*['"]([^'"]+)['"]""", version_py.read_text(), re.M)
         if m and _DESCRIBE_RE.match(m.group(1)):
             return m.group(1), "vllm_ascend/_version.py (the version its build reports)"
     return None, "no release tag, PKG-INFO or _version.py"
@@ -375,7 +373,7 @@ def resolve_any(
     require_sdist_version(path, version)
     sha256 = sha256_of(path)
     return (
-        Source(version, sdist=path, verified=f"sha256 {sha256[:12]} ({origin}; not in fork.toml: first use)"),
+        Source(version, sdist=path, verified=f"sha256 {sha256[:12]} ({origin})"),
         Base(version, sha256),
         True,
     )

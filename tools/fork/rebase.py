@@ -79,7 +79,9 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--no-test",
         action="store_true",
-        help="do not run the tests before writing (the report then says the rebase is UNTESTED)",
+        default=os.environ.get("FORK_REBASE_NO_TEST") == "1",
+        help="do not run the tests before writing (the report then says the rebase is UNTESTED; "
+        "default on when FORK_REBASE_NO_TEST=1)",
     )
     p.add_argument(
         "--series-tests-only",

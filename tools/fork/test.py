@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tools.fork import series, testenv, upstream
 from tools.fork.errors import EXIT_FAILED, BadInput, ForkError, LocalEdits
-from tools.fork.materialize import materialize, require_tree
+from tools.fork.materialize import ApplyFailed, materialize, require_tree
 
 HELP = __doc__
 
@@ -611,6 +611,7 @@ def run(args, cfg) -> int:
         return 0
 
     # b. the fork tree
+    apply_error = None
     if args.as_is:
         if require_tree(fork_tree) != version:
             raise BadInput(f"{fork_tree} is not materialized on {version}")
@@ -620,6 +621,10 @@ def run(args, cfg) -> int:
             _materialize(cfg, version, fork_tree, series.read(cfg, version), source)
         except LocalEdits as exc:
             raise LocalEdits(f"{exc}\nOr test the edited tree as it is: `python -m tools.fork test --as-is`.") from None
+        except ApplyFailed as exc:
+            if args.kernels_only or args.bisect or args.fork_only:
+                raise
+            apply_error = exc  # the base's suite still runs (and is cached); the fork's cannot
 
     if args.kernels_only:
         steps = kernel_steps(cfg, tenv, fork_tree, fork_added_test_files(cfg.root))
@@ -631,7 +636,7 @@ def run(args, cfg) -> int:
         return EXIT_FAILED if failed else 0
 
     exclusions = load_exclusions(cfg.root)
-    resolved = resolve_exclusions(exclusions, fork_tree)
+    resolved = resolve_exclusions(exclusions, fork_tree if apply_error is None else base_tree)
     ignores = sorted({p for _, paths in resolved for p in paths})
     for ex, paths in resolved:
         if not paths:
@@ -650,6 +655,15 @@ def run(args, cfg) -> int:
     elif not args.fork_only:
         base_run = run_suite(tenv, base_tree, version, "base", pytest_args, results_dir(cfg))
         store_cached(base_run, cache)
+    if apply_error is not None:
+        c = counts(base_run.results)
+        print(f"\nfork test: upstream CPU suite on the base {version}: {_fmt_counts(c)} ({base_run.seconds:.0f} s)")
+        print(
+            f"fork test: FAILED: the series does not apply on {version}: {apply_error}\n"
+            f"Move it there with `python -m tools.fork rebase --onto {version}`."
+        )
+        print(f"total: {c['passed']} passed, {c['failed'] + c['error']} failed, {c['skipped'] + c['xfailed']} skipped")
+        return EXIT_FAILED
     narrowed = pytest_args != ut_pytest_args(ignores, None, [])
     full_cache = (
         tenv.results_dir

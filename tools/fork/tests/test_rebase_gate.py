@@ -33,9 +33,16 @@ BROKEN = edited(
 )
 
 
+def fork_that_tests(tmp_path, monkeypatch, releases: dict) -> Fork:
+    """A synthetic fork whose rebases run the tests (with this Python, see synthetic.Fork)."""
+    fork = Fork(tmp_path, monkeypatch, releases, A, [A])
+    monkeypatch.delenv("FORK_REBASE_NO_TEST")
+    return fork
+
+
 def fork_on_fixed_release(tmp_path, monkeypatch, extra: dict) -> Fork:
     """Pin 1.0 with the code+test patch, then rebased onto 1.1 (where it becomes test-only)."""
-    fork = Fork(tmp_path, monkeypatch, {A: UPSTREAM, B: FIXED, **extra}, A, [A])
+    fork = fork_that_tests(tmp_path, monkeypatch, {A: UPSTREAM, B: FIXED, **extra})
     fork.names = fork.make_series(REAL_SERIES)
     r = fork.ok("rebase", "--onto", B)
     assert "partially upstream" in r.out
@@ -79,7 +86,7 @@ def test_no_test_reports_the_rebase_as_untested(tmp_path, monkeypatch):
 
 
 def test_a_failing_test_with_no_other_version_stops_like_a_conflict(tmp_path, monkeypatch):
-    fork = Fork(tmp_path, monkeypatch, {A: UPSTREAM, D: BROKEN}, A, [A])
+    fork = fork_that_tests(tmp_path, monkeypatch, {A: UPSTREAM, D: BROKEN})
     fork.names = fork.make_series(REAL_SERIES)
     before = fork.snapshot()
     r = fork.cli("rebase", "--onto", D)
@@ -108,7 +115,7 @@ def test_status_names_target_patch_and_files_of_a_conflict(tmp_path, monkeypatch
     clash = edited(
         UPSTREAM, {UTILS: replace("    num_accepted = batch.num_accepted_cpu\n", "    num_accepted = list(batch.x)\n")}
     )
-    fork = Fork(tmp_path, monkeypatch, {A: UPSTREAM, D: clash}, A, [A])
+    fork = fork_that_tests(tmp_path, monkeypatch, {A: UPSTREAM, D: clash})
     fork.names = fork.make_series(REAL_SERIES)
     r = fork.cli("rebase", "--onto", D)
     assert r.rc == EXIT_CONFLICT

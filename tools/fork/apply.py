@@ -35,6 +35,11 @@ def add_source_arguments(p) -> None:
     src.add_argument(
         "--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist"
     )
+    p.add_argument(
+        "--version-unchecked",
+        action="store_true",
+        help="accept a --checkout whose version cannot be read from it (tag, PKG-INFO, _version.py)",
+    )
 
 
 def check_named_source(args) -> None:
@@ -63,7 +68,11 @@ def run(args, cfg) -> int:
 
     def source():
         if not sources:
-            sources.append(upstream.resolve(cfg, base.version, sdist=args.sdist, checkout=args.checkout))
+            sources.append(
+                upstream.resolve(
+                    cfg, base.version, sdist=args.sdist, checkout=args.checkout, version_unchecked=args.version_unchecked
+                )
+            )
         return sources[-1]
 
     if args.sdist is not None or args.checkout is not None:

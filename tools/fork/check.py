@@ -157,6 +157,19 @@ def run_fork_tests(cfg: ForkConfig, version: str) -> int:
     return subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2]).returncode
 
 
+def _source_for(cfg: ForkConfig, version: str, args):
+    """The base's source: a given --sdist/--checkout where it is that version (with --all-bases each
+    base finds its own: the cache, a checkout remembered from an earlier --checkout, or the registry)."""
+    sdist, checkout = getattr(args, "sdist", None), getattr(args, "checkout", None)
+    unchecked = getattr(args, "version_unchecked", False)
+    if getattr(args, "all_bases", False):
+        if sdist is not None and sdist.is_file() and upstream.sdist_version(sdist) != version:
+            sdist = None
+        if checkout is not None and not unchecked and upstream.checkout_version(checkout)[0] != version:
+            checkout = None
+    return upstream.resolve(cfg, version, sdist=sdist, checkout=checkout, version_unchecked=unchecked)
+
+
 def check_base(cfg: ForkConfig, version: str, args) -> list[str]:
     try:
         patches = series.read(cfg, version)
@@ -167,9 +180,7 @@ def check_base(cfg: ForkConfig, version: str, args) -> list[str]:
     try:
         materialize(
             tree.resolve(),
-            lambda: upstream.resolve(
-                cfg, version, sdist=getattr(args, "sdist", None), checkout=getattr(args, "checkout", None)
-            ),
+            lambda: _source_for(cfg, version, args),
             version,
             patches,
             force=True,

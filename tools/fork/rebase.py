@@ -35,7 +35,6 @@ import re
 import shutil
 import signal
 import sys
-import tarfile
 import tempfile
 from collections import Counter
 from contextlib import contextmanager
@@ -77,6 +76,25 @@ def add_arguments(p) -> None:
         help="remove the old pin from the support matrix (default: keep it, with variants where needed)",
     )
     p.add_argument("--test", action="store_true", help="after success, run the fork's tests on the new pin")
+    p.add_argument(
+        "--no-test",
+        action="store_true",
+        default=os.environ.get("FORK_REBASE_NO_TEST") == "1",
+        help="do not run the tests before writing (the report then says the rebase is UNTESTED; "
+        "default on when FORK_REBASE_NO_TEST=1)",
+    )
+    p.add_argument(
+        "--series-tests-only",
+        action="store_true",
+        help="before writing, run only the series' own tests, not upstream's CPU suite (the report says so)",
+    )
+    p.add_argument(
+        "--test-python",
+        metavar="PY",
+        default=os.environ.get("FORK_TEST_PYTHON") or None,
+        help="run the tests with this Python (tree on PYTHONPATH, nothing installed) instead of the "
+        "release's own test environment (default: $FORK_TEST_PYTHON)",
+    )
 
 
 # --- state ------------------------------------------------------------------------------------
@@ -113,6 +131,17 @@ class State:
     phase: str = "apply"  # apply -> write -> written
     new_digest: str = ""  # of the protected files as the rebase writes them
     results: list[Result] = field(default_factory=list)
+    # the tests before the write (rebase_test): off with --no-test
+    no_test: bool = False
+    series_only: bool = False
+    test_python: str = ""
+    source_sdist: str = ""
+    source_checkout: str = ""
+    tested: list[str] = field(default_factory=list)  # the test report's summary ("UNTESTED" with --no-test)
+    test_failures: list[dict] = field(default_factory=list)  # set while stopped at failing tests
+    tried: dict[str, list[str]] = field(default_factory=dict)  # patch -> variant origins tried
+    chosen: dict[str, str] = field(default_factory=dict)  # patch -> why the tests chose its variant
+    conflict_files: list[str] = field(default_factory=list)  # files that conflicted in the stopped patch
 
     @staticmethod
     def load(work: Path) -> State:
@@ -168,7 +197,7 @@ def run(args, cfg: ForkConfig) -> int:
         if args.abort:
             return abort(cfg)
         if args.cont:
-            return resume(cfg, test=args.test)
+            return resume(cfg, test=args.test, no_test=args.no_test)
         return start(cfg, args)
 
 
@@ -243,11 +272,12 @@ def start(cfg: ForkConfig, args) -> int:
     old_pin = cfg.pin.version
 
     known = next((b for b in cfg.bases if b.version == version), None)
+    unchecked = getattr(args, "version_unchecked", False)
     if known is not None:
-        source = upstream.resolve(cfg, version, sdist=args.sdist, checkout=args.checkout)
+        source = upstream.resolve(cfg, version, sdist=args.sdist, checkout=args.checkout, version_unchecked=unchecked)
         sha256, first_use = known.sha256, False
     else:
-        source, sha256 = _first_use_source(cfg, version, args.sdist, args.checkout)
+        source, sha256 = _first_use_source(cfg, version, args.sdist, args.checkout, unchecked)
         first_use = True
     print(f"fork rebase: vllm-ascend {old_pin} -> {version} ({source.verified}); {len(target)} patch(es)", flush=True)
 
@@ -260,6 +290,13 @@ def start(cfg: ForkConfig, args) -> int:
         st = _setup(cfg, work, old_pin, old_patches, version, source, target)
         st.onto_sha256, st.first_use = sha256, first_use
         st.drop_old_base, st.test = args.drop_old_base, args.test
+        st.no_test, st.series_only = (
+            bool(getattr(args, "no_test", False)),
+            bool(getattr(args, "series_tests_only", False)),
+        )
+        st.test_python = getattr(args, "test_python", None) or ""
+        st.source_sdist = str(source.sdist.resolve()) if source.sdist else ""
+        st.source_checkout = str(source.checkout.resolve()) if source.checkout else ""
         st.save(work)
     except BaseException as exc:
         shutil.rmtree(work, ignore_errors=True)
@@ -280,14 +317,27 @@ def _require_no_unexported_edits(cfg: ForkConfig) -> None:
             )
 
 
-def _first_use_source(cfg: ForkConfig, version: str, sdist: Path | None, checkout: Path | None):
-    """A release fork.toml does not list yet: take the sdist as it is and record its sha256 (TOFU)."""
-    if checkout is not None:
-        raise BadInput(
-            f"vllm-ascend {version} is not in fork.toml; a pin is an sdist and its sha256, so rebase onto it "
-            "from the registry or with --sdist PATH (--checkout works for bases fork.toml lists)"
-        )
+def _first_use_source(
+    cfg: ForkConfig, version: str, sdist: Path | None, checkout: Path | None, version_unchecked: bool = False
+):
+    """A release fork.toml does not list yet: take the sdist as it is and record its sha256 (TOFU).
+    With --checkout the files come from the checkout (its version checked) and the pin's sha256
+    from the release's sdist in the cache."""
     cached = config.cache_dir() / "sdists" / upstream.sdist_name(cfg.dist, version)
+    if checkout is not None:
+        src = upstream.from_checkout(checkout, version, version_unchecked=version_unchecked)
+        if not cached.exists():
+            raise BadInput(
+                f"vllm-ascend {version} is not in fork.toml, and a pin records the release's sdist sha256: get the "
+                f"sdist once (`python -m tools.fork test --base {version} --env-only`, or --sdist PATH) and run again"
+            )
+        _require_sdist_version(cached, version)
+        sha256 = upstream.sha256_of(cached)
+        _loud(
+            f"TRUST ON FIRST USE: vllm-ascend {version} is not in fork.toml. Files from {checkout} "
+            f"({src.verified}); the pin records the cached sdist's sha256 {sha256}."
+        )
+        return src, sha256
     if sdist is not None:
         if not sdist.is_file():
             raise BadInput(f"--sdist {sdist}: no such file")
@@ -307,23 +357,13 @@ def _first_use_source(cfg: ForkConfig, version: str, sdist: Path | None, checkou
         f"TRUST ON FIRST USE: vllm-ascend {version} is not in fork.toml. Using {origin}:\n"
         f"  {path}\n  sha256 {sha256}\n"
         "This sha256 is recorded in fork.toml if the rebase completes. Compare it with the hash the "
-        f"registry publishes (https://pypi.org/project/{cfg.dist}/{version}/#files) before you commit fork.toml."
+        f"package registry publishes for {cfg.dist} {version} before you commit fork.toml."
     )
     return upstream.Source(version, sdist=path, verified=f"sha256 {sha256[:12]} (first use)"), sha256
 
 
 def _require_sdist_version(path: Path, version: str) -> None:
-    try:
-        with tarfile.open(path) as tar:
-            first = tar.next()
-            top = first.name.split("/", 1)[0] if first else ""
-            member = tar.extractfile(f"{top}/PKG-INFO")
-            text = member.read().decode(errors="replace") if member else ""
-    except (tarfile.TarError, KeyError, OSError) as exc:
-        raise BadInput(f"{path}: not a readable sdist with a PKG-INFO ({exc})") from None
-    found = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Version:")), None)
-    if found != version:
-        raise BadInput(f"{path} is version {found or '(none in PKG-INFO)'}, not {version}")
+    upstream.require_sdist_version(path, version)
 
 
 def _loud(message: str) -> None:
@@ -403,19 +443,149 @@ def _drive(cfg: ForkConfig, work: Path, st: State, *, discard_on_error: bool) ->
                 result = apply_one(tree, work, item, st)
                 if isinstance(result, Conflict):
                     st.stopped = True
+                    st.conflict_files = [line.split(":", 1)[0] for line in result.files]
                     st.save(work)
                     print_conflict(cfg, st, result)
                     return EXIT_CONFLICT
             _record(work, st, tree, result)
         if st.phase == "apply":
-            st.phase = "write"
+            st.phase = "test"
             st.save(work)
+        if st.phase == "test":
+            stop = _test_phase(cfg, work, st)
+            if stop is not None:
+                return stop
     except BaseException as exc:
+        if isinstance(exc, _Redrive):
+            return _drive(cfg, work, st, discard_on_error=discard_on_error)
         if discard_on_error:
             shutil.rmtree(work, ignore_errors=True)
             raise _failure(exc, "Nothing was changed (build/rebase removed); run the rebase again.") from None
         raise _failure(exc, _still_in_progress()) from None
     return finish(cfg, work, st)
+
+
+class _Redrive(Exception):
+    """The tests chose another variant of a patch: the tree was rewound, apply again from there."""
+
+
+def _source(st: State) -> upstream.Source:
+    if st.source_checkout:
+        return upstream.Source(st.onto, checkout=Path(st.source_checkout), verified="checkout")
+    return upstream.Source(st.onto, sdist=Path(st.source_sdist), verified=f"sha256 {st.onto_sha256[:12]}")
+
+
+def _commit_patch(tree: Path, st: State) -> dict[str, str]:
+    """Commit -> patch name, for the commits the rebase made (one per applied patch, in order)."""
+    commits = git.out(["rev-list", "--reverse", f"{base_tag(st.onto)}..HEAD"], tree).split()
+    applied = [r.name for r in st.results if r.applied]
+    return dict(zip(commits, applied))
+
+
+def _alternatives(cfg: ForkConfig, st: State, name: str) -> list[Path]:
+    """Other versions of patch `name` the repository has (the pin's and every base's variant),
+    not yet tried, by content."""
+    item = next(i for i in st.items if i.name == name)
+    used = (workdir(cfg) / item.file).read_bytes() if item.file else b""
+    seen = {series.patch_id(used)} if used.strip() else set()
+    tried = set(st.tried.get(name, []))
+    out = []
+    for path in [cfg.patches_dir / name, *sorted(cfg.patches_dir.glob(f"bases/*/{name}"))]:
+        rel = path.relative_to(cfg.root).as_posix()
+        if not path.is_file() or not path.read_bytes().strip() or rel in tried:
+            continue
+        pid = series.patch_id(path.read_bytes())
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append(path)
+    return out
+
+
+def _test_phase(cfg: ForkConfig, work: Path, st: State) -> int | None:
+    """Run the tests on the rebased tree; None when the rebase may write, else the exit code of a stop.
+    A failing test of a patch that has another version (a per-base variant) makes the rebase try it."""
+    from tools.fork import rebase_test
+
+    tree = work / "tree"
+    if st.no_test:
+        st.tested = ["UNTESTED (--no-test): neither the series' own tests nor upstream's CPU suite ran"]
+        st.phase = "write"
+        st.save(work)
+        return None
+    print(f"\nfork rebase: testing the rebased tree on vllm-ascend {st.onto} before writing anything", flush=True)
+    report = rebase_test.run(
+        cfg, tree, st.onto, _source(st), st.onto_sha256, _commit_patch(tree, st),
+        series_only=st.series_only, python=st.test_python or None,
+    )  # fmt: skip
+    for line in report.summary:
+        print(f"fork rebase: [tests] {line}")
+    if report.ok:
+        st.tested = report.summary
+        st.test_failures = []
+        st.phase = "write"
+        st.save(work)
+        return None
+    for failure in report.failures:
+        if failure.patch is None:
+            continue
+        k = next(i for i, it in enumerate(st.items) if it.name == failure.patch)
+        item = st.items[k]
+        alternatives = _alternatives(cfg, st, item.name)
+        if not alternatives:
+            continue
+        alt = alternatives[0]
+        rel = alt.relative_to(cfg.root).as_posix()
+        st.tried.setdefault(item.name, []).append(item.origin)
+        st.tried[item.name].append(rel)
+        print(
+            f"fork rebase: [tests] {failure.test} fails with {item.origin} (patch {k + 1}); "
+            f"trying its other version {rel}",
+            flush=True,
+        )
+        st.chosen[item.name] = f"chosen by the tests: {failure.test.split('::')[-1]} fails with {item.origin}"
+        # Rewind to just before this patch and apply again from there, with the other version.
+        n_before = sum(1 for r in st.results[:k] if r.applied)
+        commits = git.out(["rev-list", "--reverse", f"{base_tag(st.onto)}..HEAD"], tree).split()
+        target = commits[n_before - 1] if n_before else base_tag(st.onto)
+        git.run(["reset", "-q", "--hard", target], tree)
+        git.run(["clean", "-q", "-fd"], tree)
+        copy = f"queue/{item.name}.{len(st.tried[item.name])}"
+        shutil.copyfile(alt, work / copy)
+        st.items[k] = Item(item.name, copy, rel)
+        st.results = st.results[:k]
+        st.index = k
+        st.head = git.out(["rev-parse", "HEAD"], tree)
+        st.phase = "apply"
+        st.save(work)
+        raise _Redrive()
+    st.test_failures = [asdict(f) for f in report.failures]
+    st.stopped = True
+    st.save(work)
+    print_test_stop(cfg, st)
+    return EXIT_CONFLICT
+
+
+def print_test_stop(cfg: ForkConfig, st: State) -> None:
+    tree = workdir(cfg) / "tree"
+    fails = st.test_failures
+    print(f"fork rebase: TESTS FAILED on vllm-ascend {st.onto} ({len(fails)} test(s)); nothing was written")
+    for f in fails[:30]:
+        owner = f" (patch {f['patch']})" if f.get("patch") else ""
+        msg = f"\n      {f['message']}" if f.get("message") else ""
+        print(f"  {f['test']}: {f['outcome']}{owner}{msg}")
+    if len(fails) > 30:
+        print(f"  ... and {len(fails) - 30} more")
+    for name, origins in st.tried.items():
+        print(f"  versions of {name} tried: {', '.join(dict.fromkeys(origins))}")
+    print("Fix it in the rebase tree (one patch is one commit: amend the patch's commit), then continue:")
+    print(f"  cd {tree}")
+    print(
+        "  # edit, then `git commit --amend` (last patch) or `git commit --fixup=<commit>` + "
+        "`git rebase -i --autosquash v" + st.onto + "`"
+    )
+    print(f"  cd {cfg.root}")
+    print("  python -m tools.fork rebase --continue   # runs the tests again; or: python -m tools.fork rebase --abort")
 
 
 def _still_in_progress() -> str:
@@ -430,6 +600,7 @@ def _record(work: Path, st: State, tree: Path, result: Result) -> None:
     st.index += 1
     st.head = git.out(["rev-parse", "HEAD"], tree)
     st.stopped = False
+    st.conflict_files = []
     st.save(work)
     n = len(st.items)
     extra = f" ({'; '.join(result.evidence)})" if result.evidence else ""
@@ -439,7 +610,7 @@ def _record(work: Path, st: State, tree: Path, result: Result) -> None:
 def apply_one(tree: Path, work: Path, item: Item, st: State) -> Result | Conflict:
     patch = series.Patch(item.name, work / item.file)
     before = git.out(["rev-parse", "HEAD"], tree)
-    origin = [f"{st.onto} variant"] if item.origin.startswith("patches/bases/") else []
+    origin = [f"{item.origin.split('/')[2]} variant"] if item.origin.startswith("patches/bases/") else []
     try:
         materialize.am(tree, patch)
         return Result(item.name, APPLIED_CLEANLY, origin + _offsets(tree, before, patch), applied=True)
@@ -609,13 +780,27 @@ def print_conflict(cfg: ForkConfig, st: State, c: Conflict) -> None:
 # --- --continue -------------------------------------------------------------------------------
 
 
-def resume(cfg: ForkConfig, *, test: bool = False) -> int:
+def resume(cfg: ForkConfig, *, test: bool = False, no_test: bool = False) -> int:
     work = workdir(cfg)
     if not work.exists():
         raise BadInput("no rebase in progress (build/rebase does not exist); start one with `rebase --onto VERSION`")
     st = State.load(work)
     st.test = st.test or test
+    st.no_test = st.no_test or no_test
     tree = work / "tree"
+    if st.phase == "test" and st.stopped:
+        _require_unchanged(cfg, st)
+        dirty = git.out(["status", "--porcelain", "--untracked-files=no"], tree).splitlines()
+        if dirty:
+            raise ForkError(
+                f"{tree} has uncommitted changes ({', '.join(line[3:] for line in dirty[:5])}): commit them into the "
+                "patch they belong to (`git commit --amend`, or a fixup and `git rebase -i --autosquash`), then "
+                "`rebase --continue`",
+                EXIT_CONFLICT,
+            )
+        st.stopped = False
+        st.test_failures = []
+        st.save(work)
     if st.phase == "apply":
         _require_unchanged(cfg, st)
         try:
@@ -675,8 +860,9 @@ def resolve_current(tree: Path, st: State) -> Result:
             git.run(["am", "--skip"], tree)
             return Result(item.name, RESOLVED_EMPTY, ["the resolution left no change"])
         files = git.out(["diff", "--cached", "--name-only", "HEAD"], tree).splitlines()
+        by_hand = [f for f in files if f in st.conflict_files] or st.conflict_files or files
         git.run(["am", "--continue"], tree)
-        return Result(item.name, RESOLVED, [f"by hand: {', '.join(files)}"], applied=True)
+        return Result(item.name, RESOLVED, [f"by hand: {', '.join(by_hand)}"], applied=True)
     n = int(git.out(["rev-list", "--count", f"{st.head}..HEAD"], tree) or 0)
     if n == 0:
         return Result(item.name, RESOLVED_EMPTY, ["the git am session was ended without a commit"])
@@ -929,6 +1115,14 @@ def _after_write(cfg: ForkConfig, work: Path, st: State) -> None:
     print()
     print_table(st)
     print()
+    if st.no_test:
+        _loud(
+            "fork rebase: this rebase is UNTESTED (--no-test): the series' own tests and upstream's CPU suite "
+            f"did not run on {st.onto}. Run `python -m tools.fork test` before you commit."
+        )
+    else:
+        for line in st.tested:
+            print(f"fork rebase: tested: {line}")
     print(f"fork rebase: pin vllm-ascend {st.old_pin} -> {st.onto} (sha256 {st.onto_sha256[:12]}); "
           f"bases: {', '.join(b.version for b in new_cfg.bases)}")  # fmt: skip
     variants = sorted(p.relative_to(cfg.root).as_posix() for p in new_cfg.patches_dir.glob("bases/*/*.patch"))
@@ -943,7 +1137,10 @@ def _after_write(cfg: ForkConfig, work: Path, st: State) -> None:
 
 
 def print_table(st: State) -> None:
-    rows = [(str(i), r.name, r.outcome, "; ".join(r.evidence)) for i, r in enumerate(st.results, 1)]
+    rows = [
+        (str(i), r.name, r.outcome, "; ".join(r.evidence + ([st.chosen[r.name]] if r.name in st.chosen else [])))
+        for i, r in enumerate(st.results, 1)
+    ]
     head = ("#", "patch", "outcome", "evidence")
     widths = [max(len(r[k]) for r in [head, *rows]) for k in range(3)]
     for r in [head, *rows]:

@@ -32,7 +32,8 @@ def run(args, cfg) -> int:
             print(f"  on {b.version}: " + "; ".join(own))
     work = cfg.build_dir / "rebase"
     if work.exists():
-        print(f"rebase   in progress ({work.relative_to(cfg.root)}): `rebase --continue` or `rebase --abort`")
+        for line in _rebase_lines(cfg, work):
+            print(line)
     tree = cfg.default_fork_dir()
     if git.is_repo(tree):
         state = State.load(tree)
@@ -51,3 +52,36 @@ def run(args, cfg) -> int:
     print(f"version  {version}")
     print(f"wheel    {wheels[-1].relative_to(cfg.root) if wheels else 'not built (run build)'}")
     return 0
+
+
+def _rebase_lines(cfg, work) -> list[str]:
+    """The rebase in progress: target version, where it stopped (patch, files or tests), what to do."""
+    from tools.fork import rebase
+    from tools.fork.errors import InProgress
+
+    where = work.relative_to(cfg.root)
+    try:
+        st = rebase.State.load(work)
+    except InProgress:
+        return [f"rebase   in progress ({where}), state unreadable: `rebase --abort`"]
+    lines = [f"rebase   in progress onto vllm-ascend {st.onto} (from {st.old_pin}; {where})"]
+    n = len(st.items)
+    if st.stopped and st.phase == "apply" and st.index < n:
+        item = st.items[st.index]
+        tree = work / "tree"
+        unmerged = git.out(["diff", "--name-only", "--diff-filter=U"], tree).splitlines() if tree.is_dir() else []
+        files = unmerged or st.conflict_files
+        lines.append(f"  stopped at a CONFLICT in patch {st.index + 1}/{n} {item.name} ({item.origin})")
+        lines.append(f"  files: {', '.join(files) if files else '(none left unmerged: `git add` done?)'}")
+        lines.append(f"  tree: {tree}; then `rebase --continue` or `rebase --abort`")
+    elif st.stopped and st.phase == "test":
+        lines.append(f"  stopped: TESTS FAILED on {st.onto} after all {n} patches applied")
+        for f in st.test_failures[:10]:
+            owner = f" (patch {f['patch']})" if f.get("patch") else ""
+            lines.append(f"  test: {f['test']}: {f['outcome']}{owner}")
+            if f.get("file"):
+                lines.append(f"    file: {f['file']}")
+        lines.append(f"  tree: {work / 'tree'}; fix there, then `rebase --continue` or `rebase --abort`")
+    else:
+        lines.append(f"  phase {st.phase}, patch {min(st.index + 1, n)}/{n}: `rebase --continue` or `rebase --abort`")
+    return lines

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tools.fork import series, testenv, upstream
 from tools.fork.errors import EXIT_FAILED, BadInput, ForkError, LocalEdits
-from tools.fork.materialize import materialize, require_tree
+from tools.fork.materialize import ApplyFailed, materialize, require_tree
 
 HELP = __doc__
 
@@ -48,7 +48,15 @@ BROKEN = {"failed", "error"}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--base", metavar="VERSION", help="a base listed in fork.toml (default: the pin)")
+    p.add_argument(
+        "--base",
+        metavar="VERSION",
+        help="a base listed in fork.toml or any release on the package registry, pre-releases included "
+        "(default: the pin)",
+    )
+    from tools.fork.apply import add_source_arguments
+
+    add_source_arguments(p)
     p.add_argument(
         "--fork-only", action="store_true", help="skip the base run (compare with cached base results if any)"
     )
@@ -251,6 +259,7 @@ class SuiteRun:
     seconds: float
     cached: bool = False
     log: Path | None = None
+    junit: Path | None = None
 
 
 def fork_added_test_files(root: Path) -> list[str]:
@@ -282,12 +291,24 @@ def _tail(path: Path, n: int) -> list[str]:
     return path.read_text(errors="replace").splitlines()[-n:]
 
 
-def run_suite(tenv: testenv.TestEnv, tree: Path, version: str, label: str, pytest_args: list[str]) -> SuiteRun:
+def results_dir(cfg) -> Path:
+    """Per-run junit files and logs (this checkout's); cached base results live with the env."""
+    return cfg.build_dir / "test-results"
+
+
+def run_suite(
+    tenv: testenv.TestEnv, tree: Path, version: str, label: str, pytest_args: list[str], out: Path
+) -> SuiteRun:
     """Run upstream's unit-test suite in `tree`; results per test id from junit XML."""
-    testenv.install_tree(tenv, tree, version)
-    tenv.results_dir.mkdir(parents=True, exist_ok=True)
-    junit = tenv.results_dir / f"{label}.xml"
-    log = tenv.results_dir / f"{label}.log"
+    with tenv.lock(f"{label} suite"):
+        testenv.install_tree(tenv, tree, version)
+        return _run_suite(tenv, tree, label, pytest_args, out)
+
+
+def _run_suite(tenv: testenv.TestEnv, tree: Path, label: str, pytest_args: list[str], out: Path) -> SuiteRun:
+    out.mkdir(parents=True, exist_ok=True)
+    junit = out / f"{label}.xml"
+    log = out / f"{label}.log"
     junit.unlink(missing_ok=True)
     cmd = [
         str(tenv.python), "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
@@ -316,7 +337,7 @@ def run_suite(tenv: testenv.TestEnv, tree: Path, version: str, label: str, pytes
     if not junit.exists() or rc not in (0, 1):
         lines = "\n    ".join(_tail(log, 20))
         raise ForkError(f"{label}: pytest could not run the suite (exit {rc}):\n    {lines}")
-    return SuiteRun(label, parse_junit(junit.read_text()), dt, log=log)
+    return SuiteRun(label, parse_junit(junit.read_text()), dt, log=log, junit=junit)
 
 
 def load_cached(path: Path) -> SuiteRun | None:
@@ -328,8 +349,9 @@ def load_cached(path: Path) -> SuiteRun | None:
 
 
 def store_cached(run: SuiteRun, path: Path) -> None:
-    src = path.parent / f"{run.label}.xml"
-    tmp = path.with_suffix(".tmp")
+    src = run.junit if run.junit is not None else path.parent / f"{run.label}.xml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(src.read_bytes())
     os.replace(tmp, path)
     path.with_suffix(".json").write_text(json.dumps({"label": run.label, "seconds": round(run.seconds, 1)}) + "\n")
@@ -477,6 +499,8 @@ def verdict(cmp: Comparison, steps: list[Step]) -> list[str]:
 
 
 def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str]) -> list[Step]:
+    out = results_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
     """The Triton kernel checks: op tests + harness tests under the interpreter, triton-ascend compile."""
     steps: list[Step] = []
     # e. kernel op tests under the Triton interpreter
@@ -484,12 +508,12 @@ def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str]) 
     if not kernel_files:
         steps.append(Step("kernel op tests", "none", f"the fork adds no test under {KERNEL_TEST_DIR}"))
     else:
-        junit = tenv.results_dir / "kernel.xml"
+        junit = out / "kernel.xml"
         junit.unlink(missing_ok=True)
         command = kernel_test_command(tenv, cfg.root, fork_tree, kernel_files, junit)
         steps.append(_run_step("kernel op tests", *command, junit, allow_skips=False, may_skip=cuda_only_control))
     # e'. the harness's own tests (loader, and a known-bad kernel the Ascend front end must reject)
-    junit = tenv.results_dir / "kernel-harness.xml"
+    junit = out / "kernel-harness.xml"
     junit.unlink(missing_ok=True)
     argv = [
         str(tenv.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
@@ -502,7 +526,7 @@ def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str]) 
     return steps
 
 
-def bisect(cfg, tenv: testenv.TestEnv, base, ignores: list[str]) -> int:
+def bisect(cfg, tenv: testenv.TestEnv, base, ignores: list[str], source) -> int:
     """Bisectability: each prefix of the series applies, and upstream's CPU suite on it loses no
     test that passes on the base while every test file the prefix adds passes (~1 min a prefix)."""
     version = base.version
@@ -511,20 +535,20 @@ def bisect(cfg, tenv: testenv.TestEnv, base, ignores: list[str]) -> int:
     cache = tenv.results_dir / f"base-{version}-{base_cache_key(base.sha256, tenv, pytest_args)[:16]}.xml"
     base_run = load_cached(cache)
     if base_run is None:
-        _materialize(cfg, version, cfg.default_base_dir(version), [])
-        base_run = run_suite(tenv, cfg.default_base_dir(version), version, "base", pytest_args)
+        _materialize(cfg, version, cfg.default_base_dir(version), [], source)
+        base_run = run_suite(tenv, cfg.default_base_dir(version), version, "base", pytest_args, results_dir(cfg))
         store_cached(base_run, cache)
     failed = []
     for k in range(1, len(patches) + 1):
         tree = (cfg.build_dir / "bisect" / f"prefix-{k}").resolve()
         print(f"\nfork test: --bisect prefix {k}/{len(patches)}: {patches[k - 1].name}")
-        materialize(tree, lambda: upstream.resolve(cfg, version), version, patches[:k], force=True)
+        materialize(tree, lambda: source, version, patches[:k], force=True)
         added = subprocess.run(
             ["git", "diff", "--name-only", "--diff-filter=A", f"v{version}", "HEAD", "--", "tests"],
             cwd=tree, capture_output=True, text=True, check=True,
         ).stdout.split()  # fmt: skip
         added = [f for f in added if is_test_file(f)]
-        run = run_suite(tenv, tree, version, f"prefix-{k}", pytest_args)
+        run = run_suite(tenv, tree, version, f"prefix-{k}", pytest_args, results_dir(cfg))
         cmp = compare(base_run.results, run.results, [f for f in added if f.startswith(UT_DIR + "/")])
         ok = not (cmp.regressions or cmp.lost or cmp.fork_added_bad)
         print(
@@ -533,7 +557,7 @@ def bisect(cfg, tenv: testenv.TestEnv, base, ignores: list[str]) -> int:
         )
         ops = [f for f in added if f.startswith(KERNEL_TEST_DIR + "/")]
         if ops:
-            junit = tenv.results_dir / f"prefix-{k}-kernel.xml"
+            junit = results_dir(cfg) / f"prefix-{k}-kernel.xml"
             junit.unlink(missing_ok=True)
             step = _run_step(
                 f"prefix {k} kernel op tests",
@@ -550,33 +574,57 @@ def bisect(cfg, tenv: testenv.TestEnv, base, ignores: list[str]) -> int:
     return EXIT_FAILED if failed else 0
 
 
-def _materialize(cfg, version: str, tree: Path, patches) -> None:
-    outcome = materialize(tree.resolve(), lambda: upstream.resolve(cfg, version), version, patches)
+def _materialize(cfg, version: str, tree: Path, patches, source) -> None:
+    outcome = materialize(tree.resolve(), lambda: source, version, patches)
     print(f"fork test: {tree}: vllm-ascend {version} + {len(patches)} patch(es): {outcome}")
+
+
+def base_source(cfg, version: str, args=None):
+    """(source, Base) of any release: a fork.toml base verified by sha256, another trusted on first use."""
+    source, base, first_use = upstream.resolve_any(
+        cfg,
+        version,
+        sdist=getattr(args, "sdist", None),
+        checkout=getattr(args, "checkout", None),
+        version_unchecked=getattr(args, "version_unchecked", False),
+    )
+    note = " (not in fork.toml: trusted on first use)" if first_use else ""
+    print(f"fork test: vllm-ascend {version}: {source.verified}{note}", flush=True)
+    return source, base
 
 
 def run(args, cfg) -> int:
     t_start = time.monotonic()
-    base = cfg.base(args.base)
-    version = base.version
+    version = (args.base or cfg.pin.version).strip().removeprefix("v")
+    from tools.fork.rebase import VERSION_RE
+
+    if not VERSION_RE.match(version):
+        raise BadInput(f"--base {args.base!r} is not a release version (e.g. 0.23.0.post1 or 0.30.0rc2)")
+    source, base = base_source(cfg, version, args)
     fork_tree = cfg.default_fork_dir(version)
     base_tree = cfg.default_base_dir(version)
 
-    # b. the fork tree (its requirements.txt feeds the environment)
+    # a. the environment, derived from the base itself (its compatibility matrix and requirements)
+    _materialize(cfg, version, base_tree, [], source)
+    tenv = testenv.ensure(base_tree, version, rebuild=args.rebuild_env, link_dir=cfg.build_dir / "testenv")
+    if args.env_only:
+        return 0
+
+    # b. the fork tree
+    apply_error = None
     if args.as_is:
         if require_tree(fork_tree) != version:
             raise BadInput(f"{fork_tree} is not materialized on {version}")
         print(f"fork test: {fork_tree}: tested as it is (--as-is)")
     else:
         try:
-            _materialize(cfg, version, fork_tree, series.read(cfg, version))
+            _materialize(cfg, version, fork_tree, series.read(cfg, version), source)
         except LocalEdits as exc:
             raise LocalEdits(f"{exc}\nOr test the edited tree as it is: `python -m tools.fork test --as-is`.") from None
-
-    # a. the environment
-    tenv = testenv.ensure(cfg.build_dir, fork_tree / "requirements.txt", rebuild=args.rebuild_env)
-    if args.env_only:
-        return 0
+        except ApplyFailed as exc:
+            if args.kernels_only or args.bisect or args.fork_only:
+                raise
+            apply_error = exc  # the base's suite still runs (and is cached); the fork's cannot
 
     if args.kernels_only:
         steps = kernel_steps(cfg, tenv, fork_tree, fork_added_test_files(cfg.root))
@@ -588,13 +636,13 @@ def run(args, cfg) -> int:
         return EXIT_FAILED if failed else 0
 
     exclusions = load_exclusions(cfg.root)
-    resolved = resolve_exclusions(exclusions, fork_tree)
+    resolved = resolve_exclusions(exclusions, fork_tree if apply_error is None else base_tree)
     ignores = sorted({p for _, paths in resolved for p in paths})
     for ex, paths in resolved:
         if not paths:
             print(f"fork test: note: {EXCLUSIONS_FILE}:{ex.lineno} {ex.pattern} matches nothing in {fork_tree}")
     if args.bisect:
-        return bisect(cfg, tenv, base, ignores)
+        return bisect(cfg, tenv, base, ignores, source)
     pytest_args = ut_pytest_args(ignores, args.keyword, args.pytest_args or [])
     print(f"fork test: excluding {len(ignores)} path(s) routed to NPU runners ({EXCLUSIONS_FILE})")
 
@@ -605,9 +653,17 @@ def run(args, cfg) -> int:
     if base_run is not None:
         print(f"fork test: [base] results cached ({cache.name}; base, environment and selection unchanged)")
     elif not args.fork_only:
-        _materialize(cfg, version, base_tree, [])
-        base_run = run_suite(tenv, base_tree, version, "base", pytest_args)
+        base_run = run_suite(tenv, base_tree, version, "base", pytest_args, results_dir(cfg))
         store_cached(base_run, cache)
+    if apply_error is not None:
+        c = counts(base_run.results)
+        print(f"\nfork test: upstream CPU suite on the base {version}: {_fmt_counts(c)} ({base_run.seconds:.0f} s)")
+        print(
+            f"fork test: FAILED: the series does not apply on {version}: {apply_error}\n"
+            f"Move it there with `python -m tools.fork rebase --onto {version}`."
+        )
+        print(f"total: {c['passed']} passed, {c['failed'] + c['error']} failed, {c['skipped'] + c['xfailed']} skipped")
+        return EXIT_FAILED
     narrowed = pytest_args != ut_pytest_args(ignores, None, [])
     full_cache = (
         tenv.results_dir
@@ -615,7 +671,7 @@ def run(args, cfg) -> int:
     )
     if base_run is None and args.fork_only and not (narrowed and full_cache.exists()):
         print("fork test: [base] skipped (--fork-only, no cached base results): no base comparison")
-    fork_run = run_suite(tenv, fork_tree, version, "fork", pytest_args)
+    fork_run = run_suite(tenv, fork_tree, version, "fork", pytest_args, results_dir(cfg))
     if base_run is None and args.fork_only and narrowed:
         full = load_cached(full_cache)
         if full is not None:
@@ -637,12 +693,14 @@ def run(args, cfg) -> int:
 
     steps = kernel_steps(cfg, tenv, fork_tree, added)
     # g. the tooling's own tests
-    junit = tenv.results_dir / "tooling.xml"
+    junit = results_dir(cfg) / "tooling.xml"
     junit.unlink(missing_ok=True)
     steps.append(_run_step("tooling tests", *tooling_test_command(tenv, cfg.root, junit), junit))
 
     # h. deploy into a pip-installed (non-editable) vllm-ascend, test it there, verify, revert
-    if not args.fork_only:
+    if not args.fork_only and all(b.version != version for b in cfg.bases):
+        steps.append(Step("deploy check", "none", f"{version} is not a base in fork.toml"))
+    elif not args.fork_only:
         from tools.fork import deploy_check
 
         t0 = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,26 +64,68 @@ def _verify(path: Path, base: Base, origin: str) -> None:
         )
 
 
+# What pip needs importable to read vllm-ascend's sdist metadata (`pip download` prepares it):
+# kept in a small cached helper venv, so that getting a file never needs this Python to have them.
+HELPER_TOOLS = ("setuptools>=64,<81", "setuptools-scm>=8", "wheel")
+
+
+def helper_python() -> Path:
+    """The cached helper venv's Python (<cache>/pip-helper), built once; the stamp is written last."""
+    import fcntl
+    import json
+
+    home = cache_dir() / "pip-helper"
+    python = home / "venv" / "bin" / "python"
+    want = {"tools": list(HELPER_TOOLS), "python": ".".join(map(str, sys.version_info[:2]))}
+    stamp = home / "stamp.json"
+    home.mkdir(parents=True, exist_ok=True)
+    with (home / "lock").open("a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if python.exists() and json.loads(stamp.read_text()) == want:
+                return python
+        except (OSError, ValueError):
+            pass
+        stamp.unlink(missing_ok=True)
+        print(f"fork: making the download helper venv ({home}: {', '.join(HELPER_TOOLS)}) ...", flush=True)
+        shutil.rmtree(home / "venv", ignore_errors=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        for cmd in (
+            [sys.executable, "-m", "venv", str(home / "venv")],
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *HELPER_TOOLS],
+        ):
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = "\n  ".join((proc.stderr or proc.stdout).strip().splitlines()[-6:])
+                raise UpstreamUnavailable(
+                    f"the download helper venv could not be made ({' '.join(cmd[2:4])}):\n  {tail}"
+                )
+        stamp.write_text(json.dumps(want) + "\n")
+        return python
+
+
 def _pip_download(cfg: ForkConfig, base: Base, dest: Path) -> Path:
-    """Download the sdist with pip into `dest` (pip prints its own progress)."""
+    """Download the sdist with pip (run from the helper venv) into `dest`."""
+    try:
+        python = helper_python()
+    except UpstreamUnavailable as exc:
+        raise UpstreamUnavailable(
+            f"could not download {cfg.dist}=={base.version} from the package registry: {exc}\n"
+            "Offline? Pass a local sdist with --sdist PATH or an upstream checkout with --checkout DIR."
+        ) from None
     print(f"fork: downloading {cfg.dist}=={base.version} sdist from the package registry ...", flush=True)
-    env = dict(os.environ, **_PIP_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(_PIP_ENV, PIP_DISABLE_PIP_VERSION_CHECK="1")
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        str(python), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--pre",
         "--no-build-isolation", "--progress-bar", "on", "-d", str(dest), f"{cfg.dist}=={base.version}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     found = list(dest.glob("*.tar.gz"))
     if proc.returncode != 0 and not found:
         tail = "\n  ".join(proc.stderr.strip().splitlines()[-6:])
-        hint = ""
-        if "setuptools_scm" in proc.stderr or "bdist_wheel" in proc.stderr:
-            hint = (
-                "\npip reads the sdist's metadata: run with build/tools-venv/bin/python (made by `make`), "
-                "or `pip install setuptools-scm wheel` into this Python first."
-            )
         raise UpstreamUnavailable(
-            f"could not download {cfg.dist}=={base.version} from the package registry:\n  {tail}{hint}\n"
+            f"could not download {cfg.dist}=={base.version} from the package registry:\n  {tail}\n"
             "Offline? Pass a local sdist with --sdist PATH or an upstream checkout with --checkout DIR."
         )
     if len(found) != 1:
@@ -96,12 +139,16 @@ def fetch_sdist(cfg: ForkConfig, base: Base, *, sdist: Path | None = None) -> So
         if not sdist.is_file():
             raise BadInput(f"--sdist {sdist}: no such file")
         _verify(sdist, base, "the given sdist")
+        _cache_sdist(cfg, base.version, sdist)
         return Source(base.version, sdist=sdist, verified=f"sha256 {base.sha256[:12]} (local file)")
 
     cached = cache_dir() / "sdists" / sdist_name(cfg.dist, base.version)
     if cached.exists():
         _verify(cached, base, "the cached sdist")
         return Source(base.version, sdist=cached, verified=f"sha256 {base.sha256[:12]} (cache)")
+    remembered = remembered_checkout(base.version)
+    if remembered is not None:
+        return remembered
 
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".download-") as tmp:
@@ -111,28 +158,111 @@ def fetch_sdist(cfg: ForkConfig, base: Base, *, sdist: Path | None = None) -> So
     return Source(base.version, sdist=cached, verified=f"sha256 {base.sha256[:12]} (downloaded)")
 
 
-def from_checkout(path: Path, version: str) -> Source:
-    """An existing upstream checkout (offline use); checked for the version it claims."""
+def _cache_sdist(cfg: ForkConfig, version: str, sdist: Path) -> None:
+    """Keep a verified local sdist in the cache, so a later check or test does not download it."""
+    cached = cache_dir() / "sdists" / sdist_name(cfg.dist, version)
+    if cached.exists() or sdist.resolve() == cached.resolve():
+        return
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+        shutil.copyfile(sdist, tmp)
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a cache only
+
+
+def _checkouts_file() -> Path:
+    return cache_dir() / "checkouts.json"
+
+
+def _remember_checkout(path: Path, version: str) -> None:
+    """Record a verified checkout of `version`, so later check/test use it instead of downloading."""
+    import json
+
+    f = _checkouts_file()
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[version] = str(path.resolve())
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f".checkouts.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, f)
+    except OSError:
+        pass
+
+
+def remembered_checkout(version: str) -> Source | None:
+    """A checkout of `version` given before with --checkout, if it still reads as that version."""
+    import json
+
+    try:
+        path = Path(json.loads(_checkouts_file().read_text())[version])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        claimed, how = checkout_version(path)
+    except BadInput:
+        return None
+    if claimed != version:
+        return None
+    return Source(version, checkout=path, verified=f"checkout {path} at {version} ({how}; remembered)")
+
+
+def from_checkout(path: Path, version: str, *, version_unchecked: bool = False) -> Source:
+    """An existing upstream checkout; its version must read as `version` (a mismatch is refused,
+    an undeterminable version is refused unless `version_unchecked`)."""
     if not (path / "vllm_ascend").is_dir() or not (path / "setup.py").is_file():
         raise BadInput(f"--checkout {path}: not a vllm-ascend source tree (no vllm_ascend/ or setup.py)")
-    claimed = _checkout_version(path)
+    claimed, how = checkout_version(path)
     if claimed and claimed != version:
-        raise BadInput(f"--checkout {path} is vllm-ascend {claimed}, not {version}")
-    how = f"checkout at {claimed}" if claimed else "checkout (version not recorded in it; trusted)"
-    return Source(version, checkout=path, verified=how)
+        raise BadInput(f"--checkout {path} is vllm-ascend {claimed} ({how}), not {version}")
+    if not claimed:
+        if not version_unchecked:
+            raise BadInput(
+                f"--checkout {path}: cannot tell which vllm-ascend version it is (no release tag at HEAD, no "
+                "PKG-INFO, no version its build would report); pass --version-unchecked to use it as "
+                f"{version} anyway"
+            )
+        return Source(
+            version, checkout=path, verified=f"checkout, version NOT checked (--version-unchecked) as {version}"
+        )
+    _remember_checkout(path, version)
+    return Source(version, checkout=path, verified=f"checkout at {claimed} ({how})")
 
 
-def _checkout_version(path: Path) -> str | None:
+_DESCRIBE_RE = re.compile(r"^v?(\d+(?:\.\d+)*(?:(?:a|b|rc)\d+)?(?:\.post\d+)?)$")
+
+
+def checkout_version(path: Path) -> tuple[str | None, str]:
+    """(the version a vllm-ascend tree says it is, how that was read), or (None, why not)."""
     pkg_info = path / "PKG-INFO"
     if pkg_info.exists():
         for line in pkg_info.read_text(errors="replace").splitlines():
             if line.startswith("Version: "):
-                return line.split(": ", 1)[1].strip()
+                return line.split(": ", 1)[1].strip(), "PKG-INFO"
     if git.is_repo(path):
         tag = git.run(["describe", "--tags", "--exact-match", "HEAD"], path, check=False).stdout.strip()
-        if tag:
-            return tag.removeprefix("v")
-    return None
+        m = _DESCRIBE_RE.match(tag)
+        if m:
+            return m.group(1), f"git tag {tag}"
+        desc = git.run(["describe", "--tags", "--always"], path, check=False).stdout.strip()
+        if desc and _DESCRIBE_RE.match(desc):
+            return _DESCRIBE_RE.match(desc).group(1), f"git describe {desc}"
+    # The version its build would report: setuptools-scm's pretend variable, or a written _version.py.
+    version_py = path / "vllm_ascend" / "_version.py"
+    if version_py.is_file():
+        m = re.search(r"""^(?:__version__|version)\b[^=\n]*=[^'"\n]*['"]([^'"]+)['"]""", version_py.read_text(), re.M)
+        if m and _DESCRIBE_RE.match(m.group(1)):
+            return m.group(1), "vllm_ascend/_version.py (the version its build reports)"
+    return None, "no release tag, PKG-INFO or _version.py"
+
+
+def _checkout_version(path: Path) -> str | None:
+    return checkout_version(path)[0]
 
 
 def extract(source: Source, dest: Path) -> None:
@@ -174,9 +304,92 @@ def extract(source: Source, dest: Path) -> None:
             target.unlink()
 
 
-def resolve(cfg: ForkConfig, version: str | None, *, sdist: Path | None = None, checkout: Path | None = None) -> Source:
+def resolve(
+    cfg: ForkConfig,
+    version: str | None,
+    *,
+    sdist: Path | None = None,
+    checkout: Path | None = None,
+    version_unchecked: bool = False,
+) -> Source:
     """The source of a supported base, by the user's choice of origin."""
     base = cfg.base(version)
     if checkout is not None:
-        return from_checkout(checkout, base.version)
+        return from_checkout(checkout, base.version, version_unchecked=version_unchecked)
     return fetch_sdist(cfg, base, sdist=sdist)
+
+
+def sdist_version(path: Path) -> str | None:
+    """The Version: line of an sdist's PKG-INFO (None if it has none)."""
+    try:
+        with tarfile.open(path) as tar:
+            first = tar.next()
+            top = first.name.split("/", 1)[0] if first else ""
+            member = tar.extractfile(f"{top}/PKG-INFO")
+            text = member.read().decode(errors="replace") if member else ""
+    except (tarfile.TarError, KeyError, OSError) as exc:
+        raise BadInput(f"{path}: not a readable sdist with a PKG-INFO ({exc})") from None
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Version:")), None)
+
+
+def require_sdist_version(path: Path, version: str) -> None:
+    found = sdist_version(path)
+    if found != version:
+        raise BadInput(f"{path} is version {found or '(none in PKG-INFO)'}, not {version}")
+
+
+def resolve_any(
+    cfg: ForkConfig,
+    version: str,
+    *,
+    sdist: Path | None = None,
+    checkout: Path | None = None,
+    version_unchecked: bool = False,
+) -> tuple[Source, Base, bool]:
+    """The source of any release: (source, Base with the sdist's sha256, trusted on first use?).
+
+    A base fork.toml lists is verified against its sha256; another release is taken as it is
+    (a given sdist or checkout, else the cache, else the package registry), its version checked,
+    its sha256 reported as trusted on first use."""
+    known = next((b for b in cfg.bases if b.version == version), None)
+    if known is not None:
+        return resolve(cfg, version, sdist=sdist, checkout=checkout, version_unchecked=version_unchecked), known, False
+    if checkout is not None:
+        src = from_checkout(checkout, version, version_unchecked=version_unchecked)
+        return src, Base(version, _checkout_digest(checkout)), True
+    cached = cache_dir() / "sdists" / sdist_name(cfg.dist, version)
+    if sdist is not None:
+        if not sdist.is_file():
+            raise BadInput(f"--sdist {sdist}: no such file")
+        require_sdist_version(sdist, version)
+        _cache_sdist(cfg, version, sdist)
+        path, origin = sdist, "local file"
+    elif cached.exists():
+        path, origin = cached, "cache"
+    else:
+        remembered = remembered_checkout(version)
+        if remembered is not None:
+            return remembered, Base(version, _checkout_digest(remembered.checkout)), True
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".download-") as tmp:
+            downloaded = _pip_download(cfg, Base(version, "0" * 64), Path(tmp))
+            require_sdist_version(downloaded, version)
+            os.replace(downloaded, cached)
+        path, origin = cached, "downloaded"
+    require_sdist_version(path, version)
+    sha256 = sha256_of(path)
+    return (
+        Source(version, sdist=path, verified=f"sha256 {sha256[:12]} ({origin})"),
+        Base(version, sha256),
+        True,
+    )
+
+
+def _checkout_digest(path: Path | None) -> str:
+    """A stand-in for the sha256 of a checkout's release (its HEAD commit, or its path)."""
+    assert path is not None
+    if git.is_repo(path):
+        head = git.run(["rev-parse", "HEAD"], path, check=False).stdout.strip()
+        if head:
+            return hashlib.sha256(f"git:{head}".encode()).hexdigest()
+    return hashlib.sha256(f"dir:{path.resolve()}".encode()).hexdigest()

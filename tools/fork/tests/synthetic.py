@@ -185,6 +185,10 @@ class Fork:
         self.cache = tmp / "cache"
         self.elsewhere = tmp / "elsewhere"  # sdists not in the cache (for --sdist)
         monkeypatch.setenv("FORK_CACHE", str(self.cache))
+        # A rebase tests the tree before it writes: with this Python (pytest, tree on PYTHONPATH) where a
+        # test turns that on (test_rebase_gate.py); the mechanics tests skip it (3 pytest runs a rebase).
+        monkeypatch.setenv("FORK_TEST_PYTHON", sys.executable)
+        monkeypatch.setenv("FORK_REBASE_NO_TEST", "1")
         self.sha: dict[str, str] = {}
         self.releases = releases
         for version, files in releases.items():

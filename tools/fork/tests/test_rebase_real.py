@@ -13,6 +13,8 @@ Expected, and checked here:
   -> 0.23.0 -> 0.23.0.post1 again: each direction takes the stored variant ("applied cleanly"),
   and the round trip reproduces patches/, fork.toml and the overlay byte for byte.
 The sdists must be in the cache (~/.cache/vllm-ascend-fork/sdists); otherwise the test is skipped.
+These round trips test the patch mechanics (`--no-test`: the stand-in's test is never run);
+the tests a rebase runs are exercised on a real newer release at the end of this file.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def test_snapshot_patch_across_0_23_0_and_post1_both_ways(real_fork):
     snapshot_patch = names[1]
     original = fork.patch(snapshot_patch)
 
-    r = fork.ok("rebase", "--onto", POST1)
+    r = fork.ok("rebase", "--onto", POST1, "--no-test")
     assert _outcome(r.out, names[0]) == "applied cleanly"
     got = _outcome(r.out, snapshot_patch)
     assert got.startswith("partially upstream")
@@ -115,12 +117,12 @@ def test_snapshot_patch_across_0_23_0_and_post1_both_ways(real_fork):
     fork.ok("check", "--all-bases")
     on_post1 = fork.snapshot()
 
-    r = fork.ok("rebase", "--onto", V0)
+    r = fork.ok("rebase", "--onto", V0, "--no-test")
     assert _outcome(r.out, snapshot_patch) == f"applied cleanly ({V0} variant)"
     assert fork.patch(snapshot_patch) == original
     assert fork.variants() == {f"{POST1}/{snapshot_patch}": on_post1[fork.root / "patches" / snapshot_patch]}
 
-    r = fork.ok("rebase", "--onto", POST1)
+    r = fork.ok("rebase", "--onto", POST1, "--no-test")
     assert _outcome(r.out, snapshot_patch) == f"applied cleanly ({POST1} variant)"
     assert fork.snapshot() == on_post1  # lossless round trip
 
@@ -144,10 +146,57 @@ def test_this_repository_series_round_trips_through_every_base(tmp_path, monkeyp
     # The round trip is lossless from a green matrix (every base's patches apply): check that first.
     fork.ok("check", "--all-bases")
     for other in [b.version for b in here.bases if b.version != here.pin.version]:
-        r = fork.ok("rebase", "--onto", other)
+        r = fork.ok("rebase", "--onto", other, "--no-test")
         assert "CONFLICT" not in r.out
         fork.ok("check", "--all-bases")
-        fork.ok("rebase", "--onto", here.pin.version)
+        fork.ok("rebase", "--onto", here.pin.version, "--no-test")
         assert {p.relative_to(fork.root): d for p, d in fork.snapshot().items()} == {
             p.relative_to(fork.root): d for p, d in original.items()
         }
+
+
+NEWER = "0.24.0rc1"  # reads the live input_batch.num_accepted_tokens_cpu again (FACTS.md), like 0.23.0
+
+
+def test_rebase_onto_a_newer_release_picks_the_snapshot_variant_by_its_test(tmp_path, monkeypatch):
+    """This repository's series onto 0.24.0rc1, a registry pre-release: by name, patch 3 is the pin's
+    test-only version (0.23.0.post1 has the fix), which would leave the fix out. The rebase's tests
+    must catch it and end with the code+test variant applied and its test passing, or stop naming
+    the test. Slow the first time: the sdist download and 0.24.0rc1's own test environment (vLLM
+    0.24.0), then cached under the user cache. Runs the series' own tests (upstream's CPU suite of
+    0.24.0rc1 is left to `test --base`, to keep CI short)."""
+    monkeypatch.delenv("FORK_CACHE", raising=False)
+    monkeypatch.delenv("FORK_TEST_PYTHON", raising=False)
+    monkeypatch.delenv("FORK_REBASE_NO_TEST", raising=False)
+    here = config.load(REPO_ROOT)
+    if here.pin.version != POST1 or not (REPO_ROOT / "patches" / "bases" / V0).is_dir():
+        pytest.skip(f"the series is pinned to {here.pin.version}; this case is written for the {POST1} series")
+    fork = RealFork(tmp_path, here.pin.version)
+    shutil.copyfile(REPO_ROOT / "fork.toml", fork.root / "fork.toml")
+    shutil.rmtree(fork.root / "patches")
+    for rel in ("patches", *OVERLAY_ROOTS, ".ci"):
+        if (REPO_ROOT / rel).is_dir():
+            shutil.copytree(REPO_ROOT / rel, fork.root / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    names = series.read_names(config.load(fork.root))
+    snapshot_patch = next(n for n in names if "310P" in n)
+    before = fork.snapshot()
+    r = fork.cli_subprocess("rebase", "--onto", NEWER, "--series-tests-only")
+    print(r.text)  # the real flow's output (docs/rebase.md quotes it)
+    test_name = "test_mamba_align_fallback_310p_snapshot"
+    if r.rc != 0:  # a stop must name the test
+        assert r.rc == 3 and test_name in r.out, r.text[-3000:]
+        assert fork.snapshot() == before
+        return
+    assert f"fails with patches/{snapshot_patch}" in r.out, r.out[-3000:]
+    assert f"trying its other version patches/bases/{V0}/{snapshot_patch}" in r.out
+    assert _last_outcome(r.out, snapshot_patch).startswith(f"applied cleanly ({V0} variant)")
+    assert "fork rebase: tested: the series' own tests" in r.out and " 0 failed, 0 errors, 0 skipped" in r.out
+    assert "upstream's CPU suite NOT run (--series-tests-only)" in r.out
+    # the fix is in the new pin's patch and in the tree
+    assert b"num_accepted_tokens = num_accepted_tokens_cpu_tensor" in fork.patch(snapshot_patch)
+    assert "num_accepted_tokens = num_accepted_tokens_cpu_tensor" in (fork.tree / MAMBA_UTILS).read_text()
+    assert config.load(fork.root).pin.version == NEWER
+
+
+def _last_outcome(text: str, name: str) -> str:
+    return [line for line in text.splitlines() if f"] {name}: " in line][-1].split(f"{name}: ", 1)[1]

@@ -359,87 +359,161 @@ def test_filter_requirements_refuses_includes():
         testenv.filter_requirements("numpy\n-r other.txt\n")
 
 
+POLICY = """\
+# Versioning policy
+
+## Release compatibility matrix
+
+The table below is the release compatibility matrix for vLLM Ascend release.
+
+| vLLM Ascend | vLLM              | Python          | Stable CANN |
+|-------------|-------------------|-----------------|-------------|
+| v0.30.0rc2  | v0.30.0           | >= 3.10, < 3.13 | 9.1.0       |
+| v0.23.0.post1 | v0.23.0         | >= 3.10, < 3.13 | 9.1.0       |
+| v0.14.0rc1  | v0.14.1           | >= 3.10, < 3.12 | 8.5.0       |
+
+## Release cadence
+
+| v9.9.9 | v1.0.0 |
+"""
+
+
+def _base_tree(root: Path, reqs: str = "numpy\ntorch==2.10.0\ntransformers==5.5.4\n", policy: str | None = POLICY):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "requirements.txt").write_text(reqs)
+    if policy is not None:
+        (root / testenv.VERSIONING_POLICY).parent.mkdir(parents=True, exist_ok=True)
+        (root / testenv.VERSIONING_POLICY).write_text(policy)
+    return root
+
+
+@pytest.mark.parametrize(
+    "version, vllm",
+    [("0.30.0rc2", "0.30.0"), ("0.23.0.post1", "0.23.0"), ("0.14.0rc1", "0.14.1")],
+)
+def test_paired_vllm_comes_from_the_base_s_compatibility_matrix(tmp_path, version, vllm):
+    found, how = testenv.paired_vllm(_base_tree(tmp_path), version)
+    assert found == vllm and "compatibility matrix" in how
+
+
+@pytest.mark.parametrize(
+    "version, vllm", [("0.26.0rc1", "0.26.0"), ("0.23.0", "0.23.0"), ("9.9.9", "9.9.9"), ("1.2.3.post4", "1.2.3")]
+)
+def test_paired_vllm_falls_back_to_the_xyz_rule(tmp_path, version, vllm):
+    # 9.9.9 is in a table of a later section, not the matrix
+    found, how = testenv.paired_vllm(_base_tree(tmp_path), version)
+    assert (found, "X.Y.Z rule" in how) == (vllm, True)
+    found, how = testenv.paired_vllm(_base_tree(tmp_path / "nodoc", policy=None), version)
+    assert found == vllm and "no docs/" in how
+
+
+def test_recipe_reads_the_base_s_own_pins(tmp_path):
+    base = testenv.read_base(_base_tree(tmp_path, "numpy\ntorch==2.10.0\ntransformers==5.14.1 # pinned\n"), "0.30.0rc2")
+    assert base.vllm == "0.30.0" and base.transformers == "transformers==5.14.1"
+    assert base.torch_pin == "torch==2.10.0" and "torch" in base.dropped
+    recipe = testenv.venv_recipe(base)
+    assert recipe["vllm"] == "vllm==0.30.0" and "transformers==5.14.1" in recipe["requirements"]
+
+
 @pytest.fixture
 def fake_builds(tmp_path, monkeypatch):
     """ensure() with the two builds replaced by recorders that create the directories."""
     calls: list[str] = []
 
-    def venv(root, requirements, log):
-        calls.append("venv")
-        (root / "venv").mkdir(exist_ok=True)
+    def venv(home, base, log):
+        calls.append(f"venv {base.vllm}")
+        (home / "venv").mkdir(exist_ok=True)
         if getattr(venv, "fail", False):
             raise ForkError("pip failed")
 
-    def triton(root, log):
-        calls.append("triton-site")
-        (root / "triton-site").mkdir(exist_ok=True)
+    def triton(home, log):
+        calls.append("triton")
+        (home / "site").mkdir(exist_ok=True)
 
     monkeypatch.setattr(testenv, "_build_venv", venv)
     monkeypatch.setattr(testenv, "_build_triton_site", triton)
-    reqs = tmp_path / "requirements.txt"
-    reqs.write_text("numpy\ntorch==2.10.0\n")
-    return calls, venv, tmp_path / "build", reqs
+    tree = _base_tree(tmp_path / "base")
+    return calls, venv, tmp_path / "cache", tree
 
 
 def test_ensure_builds_once_then_is_a_no_op(fake_builds, capsys):
-    calls, _, build, reqs = fake_builds
-    e1 = testenv.ensure(build, reqs)
-    assert calls == ["venv", "triton-site"]
-    stamp = json.loads((build / "testenv" / "venv.stamp").read_text())
-    assert stamp["hash"] == e1.venv_hash and stamp["recipe"]["requirements"] == ["numpy"]
-    e2 = testenv.ensure(build, reqs)
-    assert calls == ["venv", "triton-site"], "second run rebuilt something"
+    calls, _, cache, tree = fake_builds
+    e1 = testenv.ensure(tree, "0.23.0.post1", root=cache)
+    assert calls == ["venv 0.23.0", "triton"]
+    assert e1.root.parent == cache and e1.root.name == f"venv-{e1.venv_hash[:16]}"
+    stamp = json.loads((e1.root / "stamp.json").read_text())
+    assert stamp["hash"] == e1.venv_hash and stamp["recipe"]["requirements"] == ["numpy", "transformers==5.5.4"]
+    e2 = testenv.ensure(tree, "0.23.0.post1", root=cache)
+    assert calls == ["venv 0.23.0", "triton"], "second run rebuilt something"
     assert e2 == e1
     assert "venv: up to date" in capsys.readouterr().out
 
 
-def test_changed_requirements_rebuild_the_venv_only(fake_builds):
-    calls, _, build, reqs = fake_builds
-    e1 = testenv.ensure(build, reqs)
-    reqs.write_text("numpy\nscipy\n")
-    e2 = testenv.ensure(build, reqs)
-    assert calls == ["venv", "triton-site", "venv"]
+def test_bases_with_the_same_recipe_share_one_env_and_others_get_their_own(fake_builds):
+    calls, _, cache, tree = fake_builds
+    post1 = testenv.ensure(tree, "0.23.0.post1", root=cache)
+    final = testenv.ensure(tree, "0.23.0", root=cache)  # same vLLM, same requirements
+    assert final.root == post1.root and calls == ["venv 0.23.0", "triton"]
+    rc = testenv.ensure(tree, "0.30.0rc2", root=cache)  # another vLLM
+    assert rc.root != post1.root and calls == ["venv 0.23.0", "triton", "venv 0.30.0"]
+    assert rc.triton_site == post1.triton_site
+    # the old environment is still there (switching bases back and forth rebuilds nothing)
+    assert testenv.ensure(tree, "0.23.0.post1", root=cache) == post1 and len(calls) == 3
+
+
+def test_changed_requirements_make_a_new_env(fake_builds):
+    calls, _, cache, tree = fake_builds
+    e1 = testenv.ensure(tree, "0.23.0.post1", root=cache)
+    (tree / "requirements.txt").write_text("numpy\nscipy\n")
+    e2 = testenv.ensure(tree, "0.23.0.post1", root=cache)
+    assert calls == ["venv 0.23.0", "triton", "venv 0.23.0"]
     assert e2.venv_hash != e1.venv_hash and e2.triton_hash == e1.triton_hash and e2.stamp != e1.stamp
     # a change in a dropped entry changes nothing
-    reqs.write_text("numpy\nscipy\ntorch==9.9\n")
-    assert testenv.ensure(build, reqs) == e2 and len(calls) == 3
+    (tree / "requirements.txt").write_text("numpy\nscipy\ntorch==9.9\n")
+    assert testenv.ensure(tree, "0.23.0.post1", root=cache) == e2 and len(calls) == 3
 
 
 def test_changed_recipe_rebuilds(fake_builds, monkeypatch):
-    calls, _, build, reqs = fake_builds
-    testenv.ensure(build, reqs)
+    calls, _, cache, tree = fake_builds
+    testenv.ensure(tree, "0.23.0", root=cache)
     monkeypatch.setattr(testenv, "TRITON_SITE_SPEC", "triton==9.9.9")
-    testenv.ensure(build, reqs)
-    assert calls == ["venv", "triton-site", "triton-site"]
+    testenv.ensure(tree, "0.23.0", root=cache)
+    assert calls == ["venv 0.23.0", "triton", "triton"]
     monkeypatch.setattr(testenv, "TEST_DEPS", (*testenv.TEST_DEPS, "pytest-timeout"))
-    testenv.ensure(build, reqs)
-    assert calls[-1] == "venv"
+    testenv.ensure(tree, "0.23.0", root=cache)
+    assert calls[-1] == "venv 0.23.0"
 
 
 def test_failed_build_leaves_no_stamp_and_is_retried(fake_builds):
-    calls, venv, build, reqs = fake_builds
+    calls, venv, cache, tree = fake_builds
     venv.fail = True
     with pytest.raises(ForkError):
-        testenv.ensure(build, reqs)
-    assert not (build / "testenv" / "venv.stamp").exists()
+        testenv.ensure(tree, "0.23.0", root=cache)
+    assert not list(cache.glob("venv-*/stamp.json"))
     venv.fail = False
-    testenv.ensure(build, reqs)
-    assert calls == ["venv", "venv", "triton-site"]
+    testenv.ensure(tree, "0.23.0", root=cache)
+    assert calls == ["venv 0.23.0", "venv 0.23.0", "triton"]
 
 
-def test_missing_directory_or_rebuild_flag_rebuilds(fake_builds):
-    calls, _, build, reqs = fake_builds
-    testenv.ensure(build, reqs)
-    (build / "testenv" / "triton-site").rmdir()
-    testenv.ensure(build, reqs)
-    assert calls == ["venv", "triton-site", "triton-site"]
-    testenv.ensure(build, reqs, rebuild=True)
-    assert calls[-2:] == ["venv", "triton-site"]
+def test_missing_directory_or_rebuild_flag_rebuilds(fake_builds, tmp_path):
+    calls, _, cache, tree = fake_builds
+    e = testenv.ensure(tree, "0.23.0", root=cache, link_dir=tmp_path / "build" / "testenv")
+    assert (tmp_path / "build" / "testenv" / "venv").resolve() == e.venv.resolve()
+    e.triton_site.rmdir()
+    testenv.ensure(tree, "0.23.0", root=cache)
+    assert calls == ["venv 0.23.0", "triton", "triton"]
+    testenv.ensure(tree, "0.23.0", root=cache, rebuild=True)
+    assert calls[-2:] == ["venv 0.23.0", "triton"]
+
+
+def test_default_root_is_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "c"))
+    assert testenv.default_root() == tmp_path / "c" / "testenv"
 
 
 def test_missing_requirements_file_is_a_clear_error(tmp_path):
-    with pytest.raises(BadInput, match="materialize the fork first"):
-        testenv.ensure(tmp_path / "build", tmp_path / "nope.txt")
+    with pytest.raises(BadInput, match="no requirements.txt"):
+        testenv.ensure(tmp_path / "base", "0.23.0", root=tmp_path / "cache")
 
 
 def test_run_env_drops_pythonpath_and_cargo(monkeypatch, tmp_path):

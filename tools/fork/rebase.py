@@ -973,6 +973,10 @@ def plan(cfg: ForkConfig, tree: Path, st: State) -> tuple[dict[str, bytes | None
                 variants[b.version] = b""  # the new patch is already upstream on this base: skip it there
             elif main is None or pid(mine) != pid(main):
                 variants[b.version] = mine
+            elif path.parent == cfg.variants_dir(b.version) and mine != main:
+                # The base had its own variant, the same change in other bytes (context offsets, index
+                # lines): keep its bytes, so that moving back reproduces them exactly.
+                variants[b.version] = mine
         if main is None and not variants:
             continue  # upstream on every base that is left: gone from the series
         if name in names:

@@ -78,6 +78,7 @@ def _pytest_plain(python: str, tree: Path, label: str, args: list[str], out: Pat
            f"--rootdir={tree}", *args]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FORK_TEST_PYTHON")}
     env["PYTHONPATH"] = str(tree)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__ in the tree (it would read as a local edit)
     t0 = time.monotonic()
     with log.open("w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

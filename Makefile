@@ -11,10 +11,15 @@ fork: $(VENV)/.stamp
 	$(FORK) build
 	$(FORK) status
 
-# Check the series, then run the fork's tests and upstream's CPU suite on base and fork.
+# The newest final release, tested beside the pin (each with its own vLLM and environment).
+FINAL_BASE ?= 0.23.0.post1
+
+# Check the series on every base, then run the fork's tests and upstream's CPU suite on base and
+# fork, for the pin and for the newest final release (the tooling's own tests once).
 test: $(VENV)/.stamp
-	$(FORK) check
+	$(FORK) check --all-bases
 	$(FORK) test
+	$(FORK) test --base $(FINAL_BASE) --no-tooling-tests
 
 # Build docker/Dockerfile.deploy with podman on a stand-in of the pinned release's image; verify,
 # revert and compare inside it (.ci/image.sh; installs podman and debootstrap when missing).

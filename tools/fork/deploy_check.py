@@ -1,4 +1,4 @@
-"""The deploy test against a REAL installation (issue 7): what an image goes through, on this CPU.
+"""The deploy test against a REAL installation: what an image goes through, on this CPU.
 
   1. vllm-ascend <base> is installed NON-editable from a Python-only wheel built from its verified
      sdist (`SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 pip wheel --no-deps

@@ -442,6 +442,8 @@ def _drive(cfg: ForkConfig, work: Path, st: State, *, discard_on_error: bool) ->
             else:
                 result = apply_one(tree, work, item, st)
                 if isinstance(result, Conflict):
+                    result = _other_version_applies(cfg, work, tree, st, result)
+                if isinstance(result, Conflict):
                     st.stopped = True
                     st.conflict_files = [line.split(":", 1)[0] for line in result.files]
                     st.save(work)
@@ -463,6 +465,39 @@ def _drive(cfg: ForkConfig, work: Path, st: State, *, discard_on_error: bool) ->
             raise _failure(exc, "Nothing was changed (build/rebase removed); run the rebase again.") from None
         raise _failure(exc, _still_in_progress()) from None
     return finish(cfg, work, st)
+
+
+def _other_version_applies(cfg: ForkConfig, work: Path, tree: Path, st: State, conflict: Conflict):
+    """A patch that conflicts may have another version that applies as it is (a per-base variant
+    written for a release like this one): take the first that `git am` applies without a merge; the
+    tests then judge it. None applies: the conflict of the version tried first is left to resolve."""
+    item = conflict.item
+    files = ", ".join(line.split(":", 1)[0] for line in conflict.files) or "?"
+    for alt in _alternatives(cfg, st, item.name):
+        materialize.abort_am(tree)
+        git.run(["reset", "-q", "--hard", st.head], tree)
+        git.run(["clean", "-q", "-fd"], tree)
+        rel = alt.relative_to(cfg.root).as_posix()
+        st.tried.setdefault(item.name, []).append(item.origin)
+        st.tried[item.name].append(rel)
+        try:
+            materialize.am(tree, series.Patch(item.name, alt))
+        except ApplyFailed:
+            continue
+        copy = f"queue/{item.name}.{len(st.tried[item.name])}"
+        shutil.copyfile(alt, work / copy)
+        st.items[st.index] = Item(item.name, copy, rel)
+        st.chosen[item.name] = f"{item.origin} conflicts in {files}"
+        print(f"  [{st.index + 1}/{len(st.items)}] {item.name}: {item.origin} conflicts in {files}; "
+              f"{rel} applies", flush=True)  # fmt: skip
+        origin = [f"{rel.split('/')[2]} variant"] if rel.startswith("patches/bases/") else []
+        return Result(item.name, APPLIED_CLEANLY, origin, applied=True)
+    if st.tried.get(item.name):
+        materialize.abort_am(tree)
+        git.run(["reset", "-q", "--hard", st.head], tree)
+        git.run(["clean", "-q", "-fd"], tree)
+        return apply_one(tree, work, item, st)
+    return conflict
 
 
 class _Redrive(Exception):

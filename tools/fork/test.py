@@ -77,6 +77,11 @@ def add_arguments(p) -> None:
         help="only the Triton kernel checks: op tests under the interpreter, harness tests, triton-ascend compile",
     )
     p.add_argument("--rebuild-env", action="store_true", help="rebuild the test environment from scratch")
+    p.add_argument(
+        "--no-tooling-tests",
+        action="store_true",
+        help="leave out the tooling's own tests (they do not depend on the base)",
+    )
     p.add_argument("-k", dest="keyword", metavar="EXPR", help="pytest -k selection for the unit-test suite runs")
     p.add_argument(
         "pytest_args",
@@ -692,10 +697,13 @@ def run(args, cfg) -> int:
     print_comparison(cmp, base_run is not None)
 
     steps = kernel_steps(cfg, tenv, fork_tree, added)
-    # g. the tooling's own tests
-    junit = results_dir(cfg) / "tooling.xml"
-    junit.unlink(missing_ok=True)
-    steps.append(_run_step("tooling tests", *tooling_test_command(tenv, cfg.root, junit), junit))
+    # g. the tooling's own tests (they do not depend on the base: `make test` runs them once)
+    if args.no_tooling_tests:
+        steps.append(Step("tooling tests", "none", "(--no-tooling-tests)"))
+    else:
+        junit = results_dir(cfg) / "tooling.xml"
+        junit.unlink(missing_ok=True)
+        steps.append(_run_step("tooling tests", *tooling_test_command(tenv, cfg.root, junit), junit))
 
     # h. deploy into a pip-installed (non-editable) vllm-ascend, test it there, verify, revert
     if not args.fork_only and all(b.version != version for b in cfg.bases):

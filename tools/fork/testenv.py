@@ -1,6 +1,6 @@
 """The CPU test environment of a base: derived from the base itself, built once, cached.
 
-Where it comes from (FACTS.md, "Upstream's CPU unit tests run here"), per base tree:
+Where it comes from, per base tree (docs/testing.md):
   vLLM          the version the base pairs with: its own docs/source/community/versioning_policy.md
                 ("Release compatibility matrix", the row for the base), else the X.Y.Z rule
                 (vllm-ascend X.Y.Z[rcN|.postN] -> vLLM X.Y.Z). Built from vLLM's sdist as pure

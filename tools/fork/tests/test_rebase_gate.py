@@ -1,6 +1,6 @@
 """`rebase` tests the rebased tree before it writes (synthetic releases, fast).
 
-The shape of the real case (FACTS.md): the 310P snapshot fix is code on 1.0, upstream on 1.1 (so the
+The shape of the real case: the 310P snapshot fix is code on 1.0, upstream on 1.1 (so the
 pin's patch becomes test-only there and 1.0 keeps the code+test variant), and code again on 1.2.
 Moving the series from 1.1 onto 1.2 by name alone would apply the test-only patch "cleanly" with
 the fix missing; the tests catch it and the rebase takes the code+test variant instead.

@@ -4,7 +4,7 @@ Until the fix series lands this uses a faithful stand-in for it (the integrator 
 real series): patch 1 edits vllm_ascend/ops/triton/batch_memcpy.py (identical in both releases)
 and adds a module; patch 2 is the 310P snapshot patch, written on 0.23.0 where it is real code
 (the fallback's `num_accepted_tokens = ...` line, replaced by exactly upstream's post1 lines) plus
-its test. FACTS.md: 0.23.0.post1 already has that code change.
+its test. 0.23.0.post1 already has that code change.
 
 Expected, and checked here:
   0.23.0 -> 0.23.0.post1: patch 2 is "partially upstream", naming patch_mamba_utils.py with
@@ -34,7 +34,7 @@ POST1, V0 = "0.23.0.post1", "0.23.0"
 SHA256 = {
     POST1: "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1",
     V0: "a58db76eaffcf328b13b315a0db3a57d381a8947d01057ddcefe4ad02372b242",
-    "0.30.0rc2": "05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f",  # the pin since issue 11
+    "0.30.0rc2": "05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f",  # the pin since 2026-12-01
 }
 MAMBA_UTILS = "vllm_ascend/patch/worker/patch_mamba_utils.py"
 SNAPSHOT_TEST = "tests/ut/_310p/test_mamba_align_fallback_310p_snapshot.py"
@@ -155,12 +155,14 @@ def test_this_repository_series_round_trips_through_every_base(tmp_path, monkeyp
         }
 
 
-NEWER = "0.24.0rc1"  # reads the live input_batch.num_accepted_tokens_cpu again (FACTS.md), like 0.23.0
+NEWER = "0.24.0rc1"  # reads the live input_batch.num_accepted_tokens_cpu again, like 0.23.0
 
 
 def test_rebase_onto_a_newer_release_picks_the_snapshot_variant_by_its_test(tmp_path, monkeypatch):
-    """This repository's series onto 0.24.0rc1, a registry pre-release: by name, patch 3 is the pin's
-    test-only version (0.23.0.post1 has the fix), which would leave the fix out. The rebase's tests
+    """This repository's series onto 0.24.0rc1, a registry pre-release not in fork.toml: the pin's
+    versions of most patches conflict there and the rebase takes the per-base versions that apply; by
+    name, the snapshot patch is the pin's test-only version (0.30.0rc2 and 0.23.0.post1 have the
+    fix), which would leave the fix out. The rebase's tests
     must catch it and end with the code+test variant applied and its test passing, or stop naming
     the test. Slow the first time: the sdist download and 0.24.0rc1's own test environment (vLLM
     0.24.0), then cached under the user cache. Runs the series' own tests (upstream's CPU suite of
@@ -169,8 +171,6 @@ def test_rebase_onto_a_newer_release_picks_the_snapshot_variant_by_its_test(tmp_
     monkeypatch.delenv("FORK_TEST_PYTHON", raising=False)
     monkeypatch.delenv("FORK_REBASE_NO_TEST", raising=False)
     here = config.load(REPO_ROOT)
-    if here.pin.version != POST1 or not (REPO_ROOT / "patches" / "bases" / V0).is_dir():
-        pytest.skip(f"the series is pinned to {here.pin.version}; this case is written for the {POST1} series")
     fork = RealFork(tmp_path, here.pin.version)
     shutil.copyfile(REPO_ROOT / "fork.toml", fork.root / "fork.toml")
     shutil.rmtree(fork.root / "patches")
@@ -178,7 +178,7 @@ def test_rebase_onto_a_newer_release_picks_the_snapshot_variant_by_its_test(tmp_
         if (REPO_ROOT / rel).is_dir():
             shutil.copytree(REPO_ROOT / rel, fork.root / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     names = series.read_names(config.load(fork.root))
-    snapshot_patch = next(n for n in names if "310P" in n)
+    snapshot_patch = next(n for n in names if SNAPSHOT_TEST.encode() in (fork.root / "patches" / n).read_bytes())
     before = fork.snapshot()
     r = fork.cli_subprocess("rebase", "--onto", NEWER, "--series-tests-only")
     print(r.text)  # the real flow's output (docs/rebase.md quotes it)
@@ -192,8 +192,10 @@ def test_rebase_onto_a_newer_release_picks_the_snapshot_variant_by_its_test(tmp_
     assert _last_outcome(r.out, snapshot_patch).startswith(f"applied cleanly ({V0} variant)")
     assert "fork rebase: tested: the series' own tests" in r.out and " 0 failed, 0 errors, 0 skipped" in r.out
     assert "upstream's CPU suite NOT run (--series-tests-only)" in r.out
-    # the fix is in the new pin's patch and in the tree
-    assert b"num_accepted_tokens = num_accepted_tokens_cpu_tensor" in fork.patch(snapshot_patch)
+    # the fix is in the new pin's patch (named after the variant's subject now) and in the tree
+    new_names = series.read_names(config.load(fork.root))
+    new_snapshot = next(n for n in new_names if SNAPSHOT_TEST.encode() in (fork.root / "patches" / n).read_bytes())
+    assert b"num_accepted_tokens = num_accepted_tokens_cpu_tensor" in fork.patch(new_snapshot)
     assert "num_accepted_tokens = num_accepted_tokens_cpu_tensor" in (fork.tree / MAMBA_UTILS).read_text()
     assert config.load(fork.root).pin.version == NEWER
 

@@ -70,7 +70,11 @@ def run(args, cfg) -> int:
         if not sources:
             sources.append(
                 upstream.resolve(
-                    cfg, base.version, sdist=args.sdist, checkout=args.checkout, version_unchecked=args.version_unchecked
+                    cfg,
+                    base.version,
+                    sdist=args.sdist,
+                    checkout=args.checkout,
+                    version_unchecked=args.version_unchecked,
                 )
             )
         return sources[-1]

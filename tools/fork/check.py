@@ -105,8 +105,9 @@ def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) 
 
 def overlay_problems(cfg: ForkConfig, tree: Path, version: str, patches: list[Patch]) -> list[str]:
     """Files the fork adds: the same bytes on every base as in the overlay, which holds each file as
-    the whole series leaves it (later patches may change files earlier ones added). On another base, files of patches the pin does not apply (variant-only) and overlay
-    files of pin patches that base skips (already upstream there) are not expected."""
+    the whole series leaves it (later patches may change files earlier ones added). On another
+    base, files of patches the pin does not apply (variant-only) and overlay files of pin patches
+    that base skips (already upstream there) are not expected."""
     own = overlay.ownership(tree, version)
     name_of = {i: patches[i].name if i < len(patches) else own.commits[i][:12] for i in range(len(own.commits))}
     problems = []

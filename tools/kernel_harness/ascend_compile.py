@@ -125,7 +125,12 @@ def compile_one(path: str, kernel: str, signature: dict, constexprs: dict) -> di
     names = list(fn.arg_names)
     absent = [name for name in constexprs if name not in names]
     if absent:
-        return {"status": "SKIP", "stage": "", "detail": f"this kernel file has no {', '.join(absent)}", "artifacts": []}
+        return {
+            "status": "SKIP",
+            "stage": "",
+            "detail": f"this kernel file has no {', '.join(absent)}",
+            "artifacts": [],
+        }
     if signature is not None and set(names) != set(signature):  # the kernel's own argument list, in order
         known = {**POSTPROCESS_EXTRA_SIG, **signature}
         signature = {name: known[name] for name in names}
@@ -255,7 +260,8 @@ def main(argv=None) -> int:
     import triton
 
     print(
-        f"ascend_compile: {len(jobs) - failed - skipped} ok, {skipped} skipped, {failed} failed (triton-ascend {triton.__version__}, "
+        f"ascend_compile: {len(jobs) - failed - skipped} ok, {skipped} skipped, {failed} failed "
+        f"(triton-ascend {triton.__version__}, "
         f"target {TARGET[0]}/{TARGET[1]})"
     )
     return 1 if failed else 0

@@ -400,7 +400,7 @@ def tooling_test_command(tenv: testenv.TestEnv, root: Path, junit: Path):
 @dataclass
 class Step:
     name: str
-    status: str  # "passed", "FAILED", "SKIPPED", "none"
+    status: str  # "passed", "FAILED", "none" (nothing to run)
     detail: str = ""
     counts: Counter = field(default_factory=Counter)
 
@@ -488,7 +488,7 @@ def print_comparison(cmp: Comparison, have_base: bool) -> None:
 
 
 def verdict(cmp: Comparison, steps: list[Step]) -> list[str]:
-    """Why the run fails (empty: it passes). A loudly skipped step does not fail it."""
+    """Why the run fails (empty: it passes). A step with nothing to run ("none") does not fail it."""
     problems = []
     if cmp.regressions:
         problems.append(f"{len(cmp.regressions)} test(s) pass on the base and not on the fork")
@@ -636,7 +636,7 @@ def run(args, cfg) -> int:
         for st in steps:
             extra = f" [{_fmt_counts(st.counts)}]" if st.counts else ""
             print(f"  {st.name}: {st.status}{extra} {st.detail}")
-        failed = [st.name for st in steps if st.failed or st.status == "SKIPPED"]
+        failed = [st.name for st in steps if st.failed]
         print("fork test: FAILED: " + ", ".join(failed) if failed else "fork test: OK")
         return EXIT_FAILED if failed else 0
 
@@ -733,8 +733,6 @@ def run(args, cfg) -> int:
     for s in steps:
         extra = f" [{_fmt_counts(s.counts)}]" if sum(s.counts.values()) else ""  # no junit: no made-up zeros
         print(f"  {s.name}: {s.status}{extra} {s.detail}")
-        if s.status == "SKIPPED":
-            print(f"  !!! {s.name} SKIPPED: {s.detail}")
     print(f"  wall time: {time.monotonic() - t_start:.0f} s")
     total = cf.copy()
     for s in steps:

@@ -259,12 +259,12 @@ def test_new_test_not_added_by_the_fork_may_fail():
     assert cmp.ok and [r.id for r in cmp.new] == ["tests/ut/test_a.py::t9"]
 
 
-def test_steps_failing_fail_the_run_and_skips_do_not():
+def test_steps_failing_fail_the_run_and_nothing_to_run_does_not():
     cmp = fork_test.compare(BASE, dict(BASE), [])
-    skipped = fork_test.Step("kernel op tests", "SKIPPED", "harness absent")
-    failed = fork_test.Step("tooling tests", "FAILED", "exit 1")
-    assert fork_test.verdict(cmp, [skipped]) == []
-    assert fork_test.verdict(cmp, [skipped, failed]) == ["tooling tests failed"]
+    nothing = fork_test.Step("tooling tests", "none", "(--no-tooling-tests)")
+    failed = fork_test.Step("kernel op tests", "FAILED", "exit 1")
+    assert fork_test.verdict(cmp, [nothing]) == []
+    assert fork_test.verdict(cmp, [nothing, failed]) == ["kernel op tests failed"]
 
 
 def _c(**kw):

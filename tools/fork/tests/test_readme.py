@@ -40,6 +40,10 @@ class Rule:
 
 RULES = [
     Rule(r"^make test\b", skip="CI runs it: `.ci/run` is `make test`, and this test runs inside it"),
+    Rule(
+        r"tools\.fork test\b",
+        skip="`make test` runs the test verb on the pin and on the newest final; this test runs inside it",
+    ),
     Rule(r"^make fork\b", replace=(r"^make ", "make -o build/tools-venv/.stamp ")),  # the tools venv is linked in
     Rule(r"^docker ", skip="needs docker; the image build has a CI step of its own"),
     Rule(r"^pytest tests/e2e/", skip="op tests on an Ascend NPU (`test` runs them under the Triton interpreter)"),

@@ -81,6 +81,9 @@ def provide_triton_utils() -> str:
     if "vllm.triton_utils" in sys.modules:
         return "preloaded"
     if importlib.util.find_spec("vllm") is not None:
+        # vLLM 0.30 loads its platform plugins when `vllm` is imported: the ascend one needs torch_npu
+        # (and the light vllm_ascend package here has no `register`). Kernels need none of them.
+        os.environ.setdefault("VLLM_PLUGINS", "none")
         from vllm.triton_utils import triton as vllm_triton
 
         if getattr(vllm_triton, "jit", None) is not triton.jit:

@@ -44,7 +44,7 @@ def test_kernel_module_imports_from_the_tree_without_package_init(tmp_path):
     )
     proc = run_py(code, str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", "1", "''"]
+    assert proc.stdout.splitlines()[-1].split() == ["True", "1", "''"]  # vLLM may log above it
 
 
 def test_not_a_tree_is_a_clear_error(tmp_path):

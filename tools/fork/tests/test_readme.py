@@ -46,6 +46,7 @@ RULES = [
     ),
     Rule(r"^make fork\b", replace=(r"^make ", "make -o build/tools-venv/.stamp ")),  # the tools venv is linked in
     Rule(r"^docker ", skip="needs docker; the image build has a CI step of its own"),
+    Rule(r"^podman ", skip="the image build has a CI step of its own (`make image`, .ci/image.sh)"),
     Rule(r"^pytest tests/e2e/", skip="op tests on an Ascend NPU (`test` runs them under the Triton interpreter)"),
     Rule(r"benchmarks/copy_paths\.py", skip="the NPU benchmark run"),
     Rule(r"^pip install --no-deps dist/", skip="installs the wheel over an image's vllm-ascend"),

@@ -11,6 +11,7 @@ import tarfile
 from pathlib import Path
 
 from tools.fork import series, upstream
+from tools.fork.cli import add_source_arguments
 from tools.fork.errors import BadInput
 from tools.fork.materialize import materialize
 
@@ -25,21 +26,6 @@ def add_arguments(p) -> None:
     )
     add_source_arguments(p)
     p.add_argument("--force", action="store_true", help="discard local edits in DIR")
-
-
-def add_source_arguments(p) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--sdist", type=Path, metavar="PATH", help="use this local sdist (sha256-checked) instead of the registry"
-    )
-    src.add_argument(
-        "--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist"
-    )
-    p.add_argument(
-        "--version-unchecked",
-        action="store_true",
-        help="accept a --checkout whose version cannot be read from it (tag, PKG-INFO, _version.py)",
-    )
 
 
 def check_named_source(args) -> None:

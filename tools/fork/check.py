@@ -30,7 +30,7 @@ _HUNK_RE = re.compile(rb"^diff --git a/(\S+) |^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+
 def add_arguments(p) -> None:
     p.add_argument("--all-bases", action="store_true", help="also apply the series to every base in fork.toml")
     p.add_argument("--test", action="store_true", help="also run the fork's tests on every base checked")
-    from tools.fork.apply import add_source_arguments
+    from tools.fork.cli import add_source_arguments
 
     add_source_arguments(p)
 

@@ -67,6 +67,22 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return parser, subparsers
 
 
+def add_source_arguments(p) -> None:
+    """--sdist / --checkout / --version-unchecked: where a verb gets its base release from."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--sdist", type=Path, metavar="PATH", help="use this local sdist (sha256-checked) instead of the registry"
+    )
+    src.add_argument(
+        "--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist"
+    )
+    p.add_argument(
+        "--version-unchecked",
+        action="store_true",
+        help="accept a --checkout whose version cannot be read from it (tag, PKG-INFO, _version.py)",
+    )
+
+
 def tools_env_missing(exc: ModuleNotFoundError) -> str | None:
     """The one-line message for a module only the tools environment has, else None."""
     top = (exc.name or "").split(".")[0]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.fork.errors import EXIT_TOOLS_ENV, BadInput, ForkError
+
+# A release version as the package registry spells it (PEP 440 subset: X.Y.Z, rcN, .postN, .devN).
+VERSION_RE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
 
 try:  # Python 3.11+
     import tomllib

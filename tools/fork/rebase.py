@@ -43,14 +43,13 @@ from pathlib import Path
 
 from tools.fork import config, export, git, materialize, overlay, series, upstream
 from tools.fork.check import _hunk_positions, run_fork_tests
-from tools.fork.config import OVERLAY_ROOTS, Base, ForkConfig
+from tools.fork.config import OVERLAY_ROOTS, VERSION_RE, Base, ForkConfig
 from tools.fork.errors import EXIT_CONFLICT, EXIT_FAILED, BadInput, ForkError, InProgress, LocalEdits
 from tools.fork.materialize import ApplyFailed, base_tag
 from tools.fork.txn import StagedWrite, _signals_deferred
 
 HELP = __doc__
 
-VERSION_RE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
 OLD_REF = "refs/rebase/old"  # the old series, fetched into the rebase tree for range-diff and evidence
 
 APPLIED_CLEANLY = "applied cleanly"
@@ -67,7 +66,7 @@ def add_arguments(p) -> None:
     mode.add_argument("--onto", metavar="VERSION", help="the release to move the series onto")
     mode.add_argument("--continue", dest="cont", action="store_true", help="resume after resolving a conflict")
     mode.add_argument("--abort", action="store_true", help="discard the rebase in progress (build/rebase)")
-    from tools.fork.apply import add_source_arguments
+    from tools.fork.cli import add_source_arguments
 
     add_source_arguments(p)
     p.add_argument(

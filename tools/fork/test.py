@@ -54,7 +54,7 @@ def add_arguments(p) -> None:
         help="a base listed in fork.toml or any release on the package registry, pre-releases included "
         "(default: the pin)",
     )
-    from tools.fork.apply import add_source_arguments
+    from tools.fork.cli import add_source_arguments
 
     add_source_arguments(p)
     p.add_argument(
@@ -601,7 +601,7 @@ def base_source(cfg, version: str, args=None):
 def run(args, cfg) -> int:
     t_start = time.monotonic()
     version = (args.base or cfg.pin.version).strip().removeprefix("v")
-    from tools.fork.rebase import VERSION_RE
+    from tools.fork.config import VERSION_RE
 
     if not VERSION_RE.match(version):
         raise BadInput(f"--base {args.base!r} is not a release version (e.g. 0.23.0.post1 or 0.30.0rc2)")

@@ -572,10 +572,9 @@ def deploy_checkout(cfg: ForkConfig, target: Target, version: str) -> list[str]:
     refuse_if_deployed(target)
     if git.am_in_progress(root) or (root / ".git" / "rebase-merge").exists():
         raise LocalEdits(f"{root}: a `git am` or `git rebase` is in progress; finish or abort it first")
-    dirty = git.dirty_paths(root)
+    dirty = git.dirty_summary(root)
     if dirty:
-        shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
-        raise LocalEdits(f"{root} has uncommitted changes ({shown}); commit or stash them first. Nothing was changed.")
+        raise LocalEdits(f"{root} has uncommitted changes ({dirty}); commit or stash them first. Nothing was changed.")
     patches = series.read(cfg, version)
     if not patches:
         raise BadInput("patches/series is empty: nothing to deploy")
@@ -623,9 +622,9 @@ def revert_checkout(target: Target, *, force: bool = False) -> list[str]:
     problems = []
     if head != state["post_head"]:
         problems.append(f"HEAD moved since the deploy ({state['post_head'][:12]} -> {head[:12]})")
-    dirty = git.dirty_paths(root)
+    dirty = git.dirty_summary(root)
     if dirty:
-        problems.append(f"uncommitted changes: {', '.join(dirty[:5])}")
+        problems.append(f"uncommitted changes: {dirty}")
     if problems and not force:
         raise LocalEdits(
             f"{root}: reverting would discard work done after the deploy:\n  - "

@@ -54,10 +54,10 @@ def _require_exportable(tree: Path) -> None:
         raise LocalEdits(f"{tree}: a `git am` session is in progress; finish or abort it first")
     if (tree / ".git" / "rebase-merge").exists():
         raise LocalEdits(f"{tree}: a `git rebase` is in progress; finish or abort it first")
-    dirty = git.dirty_paths(tree)
+    dirty = git.dirty_summary(tree)
     if dirty:
         raise LocalEdits(
-            f"{tree} has uncommitted changes ({', '.join(dirty[:5])}); commit them into the patch "
+            f"{tree} has uncommitted changes ({dirty}); commit them into the patch "
             "they belong to (`git commit --fixup=<commit>`), or stash them, then export"
         )
 

@@ -114,10 +114,19 @@ def is_clean(cwd: Path) -> bool:
     return out(["status", "--porcelain", "--untracked-files=all"], cwd) == ""
 
 
-def dirty_paths(cwd: Path) -> list[str]:
+def dirty_paths(cwd: Path, untracked: bool = True) -> list[str]:
     # Not `out()`: stripping the output would eat the first line's leading status blank (" M path").
-    lines = run(["status", "--porcelain", "--untracked-files=all"], cwd).stdout.splitlines()
+    flag = "--untracked-files=all" if untracked else "--untracked-files=no"
+    lines = run(["status", "--porcelain", flag], cwd).stdout.splitlines()
     return [line[3:] for line in lines if line.strip()]
+
+
+def dirty_summary(cwd: Path, untracked: bool = True) -> str | None:
+    """The uncommitted paths of `cwd` for a message ("a, b, c and 4 more"), or None when it is clean."""
+    dirty = dirty_paths(cwd, untracked)
+    if not dirty:
+        return None
+    return ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
 
 
 def am_in_progress(cwd: Path) -> bool:

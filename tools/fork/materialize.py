@@ -141,10 +141,9 @@ def local_edits(tree: Path) -> list[str]:
     problems = []
     if git.am_in_progress(tree):
         problems.append("a `git am` session is in progress")
-    dirty = git.dirty_paths(tree)
+    dirty = git.dirty_summary(tree)
     if dirty:
-        shown = ", ".join(dirty[:5]) + (f" and {len(dirty) - 5} more" if len(dirty) > 5 else "")
-        problems.append(f"uncommitted changes: {shown}")
+        problems.append(f"uncommitted changes: {dirty}")
     state = State.load(tree)
     head = git.rev(tree, "HEAD")
     if state is not None and head != state.head:

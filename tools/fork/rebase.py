@@ -824,10 +824,10 @@ def resume(cfg: ForkConfig, *, test: bool = False, no_test: bool = False) -> int
     tree = work / "tree"
     if st.phase == "test" and st.stopped:
         _require_unchanged(cfg, st)
-        dirty = git.out(["status", "--porcelain", "--untracked-files=no"], tree).splitlines()
+        dirty = git.dirty_summary(tree, untracked=False)
         if dirty:
             raise ForkError(
-                f"{tree} has uncommitted changes ({', '.join(line[3:] for line in dirty[:5])}): commit them into the "
+                f"{tree} has uncommitted changes ({dirty}): commit them into the "
                 "patch they belong to (`git commit --amend`, or a fixup and `git rebase -i --autosquash`), then "
                 "`rebase --continue`",
                 EXIT_CONFLICT,

@@ -14,16 +14,12 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tools.fork import git, upstream
+from tools.fork import git, series, upstream
 from tools.fork.errors import BadInput, ForkError, LocalEdits
-from tools.fork.series import Patch
+from tools.fork.series import Patch, base_tag
 
 BRANCH = "fork"
 BASE_AUTHOR = "vllm-ascend upstream <upstream@vllm-ascend.invalid>"
-
-
-def base_tag(version: str) -> str:
-    return f"v{version}"
 
 
 @dataclass
@@ -175,9 +171,7 @@ def unheld_commits(tree: Path, version: str, patches: list[Patch], repo: Path | 
         if _patch_id(shown, tree) in held:
             continue
         if repo is not None:  # the exported form of this commit, as a blob the fork repository has
-            from tools.fork.export import FORMAT_PATCH
-
-            rendered = git.run([*FORMAT_PATCH, "--stdout", "-1", c], tree, check=False, binary=True).stdout
+            rendered = git.run([*series.FORMAT_PATCH, "--stdout", "-1", c], tree, check=False, binary=True).stdout
             blob = git.run(["hash-object", "--stdin"], repo, input=rendered, check=False, binary=True).stdout
             blob = blob.decode().strip()
             if blob and git.run(["cat-file", "-e", blob], repo, check=False).returncode == 0:

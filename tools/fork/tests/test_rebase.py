@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import config, git, rebase, series
+from tools.fork import cli, config, git, rebase, rebase_apply, series
 from tools.fork.errors import (
     EXIT_BAD_INPUT,
     EXIT_CONFLICT,
@@ -396,7 +396,7 @@ def test_drop_old_base(tmp_path, monkeypatch):
 def test_test_option_runs_the_fork_tests_on_the_new_pin(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
     calls = []
-    monkeypatch.setattr(rebase, "run_fork_tests", lambda cfg, version: calls.append(version) or 1)
+    monkeypatch.setattr(cli, "run_fork_tests", lambda cfg, version: calls.append(version) or 1)
     r = fork.cli("rebase", "--onto", B, "--test")
     assert calls == [B]
     assert r.rc == EXIT_FAILED and "tests FAILED" in r.out
@@ -409,7 +409,7 @@ def test_test_option_runs_the_fork_tests_on_the_new_pin(tmp_path, monkeypatch):
 def test_failure_in_the_middle_changes_nothing(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
     before = fork.snapshot()
-    real, calls = rebase.apply_one, []
+    real, calls = rebase_apply.apply_one, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -417,14 +417,14 @@ def test_failure_in_the_middle_changes_nothing(tmp_path, monkeypatch):
             raise RuntimeError("injected failure")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rebase, "apply_one", failing)
+    monkeypatch.setattr(rebase_apply, "apply_one", failing)
     r = fork.cli("rebase", "--onto", B)
     assert r.rc == EXIT_FAILED
     assert "rebase failed: RuntimeError: injected failure" in r.err and "Nothing was changed" in r.err
     assert "run the rebase again" in r.err
     assert_unchanged(fork, before)
     assert not fork.work.exists()
-    monkeypatch.setattr(rebase, "apply_one", real)
+    monkeypatch.setattr(rebase_apply, "apply_one", real)
     fork.ok("rebase", "--onto", B)
 
 
@@ -436,17 +436,17 @@ def test_failure_during_continue_keeps_the_resolution(tmp_path, monkeypatch):
     tree = fork.work / "tree"
     (tree / COPY).write_text(b[COPY])
     git.run(["add", COPY], tree)
-    real = rebase.apply_one
+    real = rebase_apply.apply_one
 
     def failing(*args, **kwargs):
         raise OSError(errno.EIO, "Input/output error", "injected")
 
-    monkeypatch.setattr(rebase, "apply_one", failing)
+    monkeypatch.setattr(rebase_apply, "apply_one", failing)
     r = fork.cli("rebase", "--continue")
     assert r.rc == EXIT_FAILED and "Input/output error" in r.err and "still in progress" in r.err
     assert_unchanged(fork, before)
     assert fork.work.exists()
-    monkeypatch.setattr(rebase, "apply_one", real)
+    monkeypatch.setattr(rebase_apply, "apply_one", real)
     r = fork.ok("rebase", "--continue")
     assert outcomes(fork, r.out)[fork.names[1]] == "applied cleanly"
     assert "conflict resolved" in r.out
@@ -501,9 +501,11 @@ def test_edits_to_patches_during_a_conflict_are_not_overwritten(tmp_path, monkey
 _DRIVER = """
 import sys, time
 from pathlib import Path
-from tools.fork import rebase
+import importlib
 marker, target, seconds = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-real = getattr(rebase, target)
+module_name, _, target = target.rpartition(".")
+module = importlib.import_module(f"tools.fork.{module_name}")
+real = getattr(module, target)
 
 if isinstance(real, type):  # a class: pause in its commit()
     class Paused(real):
@@ -511,13 +513,13 @@ if isinstance(real, type):  # a class: pause in its commit()
             marker.write_text("here")
             time.sleep(seconds)
             return super().commit()
-    setattr(rebase, target, Paused)
+    setattr(module, target, Paused)
 else:
     def paused(*args, **kwargs):
         marker.write_text("here")
         time.sleep(seconds)
         return real(*args, **kwargs)
-    setattr(rebase, target, paused)
+    setattr(module, target, paused)
 from tools.fork.cli import main
 sys.exit(main(sys.argv[4:]))
 """
@@ -546,7 +548,7 @@ def _interrupt(
 def test_signal_while_applying_changes_nothing(tmp_path, monkeypatch, sig):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
     before = fork.snapshot()
-    p = _interrupt(fork, tmp_path, "apply_one", sig, "rebase", "--onto", B)
+    p = _interrupt(fork, tmp_path, "rebase_apply.apply_one", sig, "rebase", "--onto", B)
     assert p.returncode == EXIT_FAILED, p.stderr
     assert "rebase failed: interrupted (SIGINT/SIGTERM)" in p.stderr and "Nothing was changed" in p.stderr
     assert_unchanged(fork, before)
@@ -556,7 +558,7 @@ def test_signal_while_applying_changes_nothing(tmp_path, monkeypatch, sig):
 def test_signal_before_the_final_write_keeps_the_work(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
     before = fork.snapshot()
-    p = _interrupt(fork, tmp_path, "plan", signal.SIGTERM, "rebase", "--onto", B)
+    p = _interrupt(fork, tmp_path, "rebase_write.plan", signal.SIGTERM, "rebase", "--onto", B)
     assert p.returncode == EXIT_FAILED, p.stderr
     assert "interrupted" in p.stderr and "rebase --continue` writes the result" in p.stderr
     assert_unchanged(fork, before)
@@ -566,7 +568,7 @@ def test_signal_before_the_final_write_keeps_the_work(tmp_path, monkeypatch):
 
 def test_signal_during_the_final_write_is_held_until_it_is_complete(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
-    p = _interrupt(fork, tmp_path, "StagedWrite", signal.SIGTERM, "rebase", "--onto", B, pause=1)
+    p = _interrupt(fork, tmp_path, "rebase_write.StagedWrite", signal.SIGTERM, "rebase", "--onto", B, pause=1)
     assert p.returncode == EXIT_FAILED, p.stderr
     assert "interrupted" in p.stderr and "The rebase IS written" in p.stderr
     assert config.load(fork.root).pin.version == B  # all of it: the write was not cut in half
@@ -590,13 +592,11 @@ def test_help_lists_the_exit_codes():
 
 
 def test_check_all_bases_test_runs_the_fork_tests_on_each_base(tmp_path, monkeypatch):
-    from tools.fork import check
-
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {UTILS: P2_CODE}))
     fork.ok("rebase", "--onto", B)
     calls = []
     monkeypatch.setattr(
-        check, "run_fork_tests", lambda cfg, version: calls.append(version) or (1 if version == A else 0)
+        cli, "run_fork_tests", lambda cfg, version: calls.append(version) or (1 if version == A else 0)
     )
     r = fork.cli("check", "--all-bases", "--test")
     assert calls == [A, B]
@@ -678,7 +678,7 @@ def test_workflow_giving_an_older_base_its_own_version_of_a_patch(tmp_path, monk
 
 
 def test_first_use_from_the_cache_and_from_the_registry(tmp_path, monkeypatch):
-    from tools.fork import upstream
+    from tools.fork import registry, upstream
     from tools.fork.tests.synthetic import make_sdist
 
     fork = make(tmp_path, monkeypatch, None)
@@ -690,11 +690,11 @@ def test_first_use_from_the_cache_and_from_the_registry(tmp_path, monkeypatch):
 
     downloads = []
 
-    def fake_pip_download(cfg, base, dest):  # what pip leaves behind: one sdist in dest
-        downloads.append(base.version)
-        return make_sdist(dest, base.version, c_files)[0]
+    def fake_pip_download(cfg, version, dest):  # what pip leaves behind: one sdist in dest
+        downloads.append(version)
+        return make_sdist(dest, version, c_files)[0]
 
-    monkeypatch.setattr(upstream, "_pip_download", fake_pip_download)
+    monkeypatch.setattr(registry, "_pip_download", fake_pip_download)
     r = fork.ok("rebase", "--onto", "1.3")
     assert downloads == ["1.3"] and "downloaded from the package registry" in r.err
     cached = fork.cache / "sdists" / "vllm_ascend-1.3.tar.gz"

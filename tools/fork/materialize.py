@@ -148,11 +148,6 @@ def local_edits(tree: Path) -> list[str]:
     return problems
 
 
-def _patch_id(diff: str, cwd: Path) -> str | None:
-    out = git.run(["patch-id", "--stable"], cwd, input=diff, check=False).stdout.split()
-    return out[0] if out else None
-
-
 def unheld_commits(tree: Path, version: str, patches: list[Patch], repo: Path | None = None) -> list[str]:
     """The commits on top of the base in `tree` whose change is held neither by one of `patches`
     (same `git patch-id`) nor by any patch file git knows in the fork repository (a commit that
@@ -163,12 +158,12 @@ def unheld_commits(tree: Path, version: str, patches: list[Patch], repo: Path | 
     commits = git.out(["rev-list", "--reverse", f"{base}..HEAD"], tree, check=False).split()
     if not commits:
         return []
-    held = {_patch_id(p.path.read_text(errors="replace"), tree) for p in patches if p.path.is_file()}
+    held = {series.patch_id(p.path.read_bytes()) for p in patches if p.path.is_file()}
     repo = repo or (patches[0].path.parent if patches else None)
     lost = []
     for c in commits:
-        shown = git.run(["show", "--no-renames", "--format=commit %H", c], tree, check=False).stdout
-        if _patch_id(shown, tree) in held:
+        shown = git.run(["show", "--no-renames", "--format=commit %H", c], tree, check=False, binary=True).stdout
+        if series.patch_id(shown) in held:
             continue
         if repo is not None:  # the exported form of this commit, as a blob the fork repository has
             rendered = git.run([*series.FORMAT_PATCH, "--stdout", "-1", c], tree, check=False, binary=True).stdout

@@ -35,14 +35,12 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from tools.fork import git, materialize, rebase_apply, rebase_report, series, upstream
+from tools.fork import git, rebase_apply, rebase_report, series, upstream
 from tools.fork.config import VERSION_RE, ForkConfig
 from tools.fork.errors import EXIT_CONFLICT, BadInput, ForkError, InProgress
-from tools.fork.materialize import ApplyFailed
 from tools.fork.rebase_report import print_conflict, print_test_stop, still_in_progress
 from tools.fork.rebase_setup import first_use_source, require_no_unexported_edits, setup
 from tools.fork.rebase_state import (
-    APPLIED_CLEANLY,
     NOT_APPLIED,
     Item,
     Result,
@@ -188,7 +186,7 @@ def _drive(cfg: ForkConfig, work: Path, st: State, *, discard_on_error: bool) ->
             else:
                 result = rebase_apply.apply_one(tree, work, item, st)
                 if isinstance(result, rebase_apply.Conflict):
-                    result = _other_version_applies(cfg, work, tree, st, result)
+                    result = rebase_apply.other_version_applies(cfg, work, tree, st, result)
                 if isinstance(result, rebase_apply.Conflict):
                     st.stopped = True
                     st.conflict_files = [line.split(":", 1)[0] for line in result.files]
@@ -213,39 +211,6 @@ def _drive(cfg: ForkConfig, work: Path, st: State, *, discard_on_error: bool) ->
     return finish(cfg, work, st)
 
 
-def _other_version_applies(cfg: ForkConfig, work: Path, tree: Path, st: State, conflict: rebase_apply.Conflict):
-    """A patch that conflicts may have another version that applies as it is (a per-base variant
-    written for a release like this one): take the first that `git am` applies without a merge; the
-    tests then judge it. None applies: the conflict of the version tried first is left to resolve."""
-    item = conflict.item
-    files = ", ".join(line.split(":", 1)[0] for line in conflict.files) or "?"
-    for alt in _alternatives(cfg, st, item.name):
-        materialize.abort_am(tree)
-        git.run(["reset", "-q", "--hard", st.head], tree)
-        git.run(["clean", "-q", "-fd"], tree)
-        rel = alt.relative_to(cfg.root).as_posix()
-        st.tried.setdefault(item.name, []).append(item.origin)
-        st.tried[item.name].append(rel)
-        try:
-            materialize.am(tree, series.Patch(item.name, alt))
-        except ApplyFailed:
-            continue
-        copy = f"queue/{item.name}.{len(st.tried[item.name])}"
-        shutil.copyfile(alt, work / copy)
-        st.items[st.index] = Item(item.name, copy, rel)
-        st.chosen[item.name] = f"{item.origin} conflicts in {files}"
-        print(f"  [{st.index + 1}/{len(st.items)}] {item.name}: {item.origin} conflicts in {files}; "
-              f"{rel} applies", flush=True)  # fmt: skip
-        origin = [f"{rel.split('/')[2]} variant"] if rel.startswith("patches/bases/") else []
-        return Result(item.name, APPLIED_CLEANLY, origin, applied=True)
-    if st.tried.get(item.name):
-        materialize.abort_am(tree)
-        git.run(["reset", "-q", "--hard", st.head], tree)
-        git.run(["clean", "-q", "-fd"], tree)
-        return rebase_apply.apply_one(tree, work, item, st)
-    return conflict
-
-
 class _Redrive(Exception):
     """The tests chose another variant of a patch: the tree was rewound, apply again from there."""
 
@@ -261,26 +226,6 @@ def _commit_patch(tree: Path, st: State) -> dict[str, str]:
     commits = git.out(["rev-list", "--reverse", f"{base_tag(st.onto)}..HEAD"], tree).split()
     applied = [r.name for r in st.results if r.applied]
     return dict(zip(commits, applied))
-
-
-def _alternatives(cfg: ForkConfig, st: State, name: str) -> list[Path]:
-    """Other versions of patch `name` the repository has (the pin's and every base's variant),
-    not yet tried, by content."""
-    item = next(i for i in st.items if i.name == name)
-    used = (workdir(cfg) / item.file).read_bytes() if item.file else b""
-    seen = {series.patch_id(used)} if used.strip() else set()
-    tried = set(st.tried.get(name, []))
-    out = []
-    for path in [cfg.patches_dir / name, *sorted(cfg.patches_dir.glob(f"bases/*/{name}"))]:
-        rel = path.relative_to(cfg.root).as_posix()
-        if not path.is_file() or not path.read_bytes().strip() or rel in tried:
-            continue
-        pid = series.patch_id(path.read_bytes())
-        if pid in seen:
-            continue
-        seen.add(pid)
-        out.append(path)
-    return out
 
 
 def _test_phase(cfg: ForkConfig, work: Path, st: State) -> int | None:
@@ -312,7 +257,7 @@ def _test_phase(cfg: ForkConfig, work: Path, st: State) -> int | None:
             continue
         k = next(i for i, it in enumerate(st.items) if it.name == failure.patch)
         item = st.items[k]
-        alternatives = _alternatives(cfg, st, item.name)
+        alternatives = rebase_apply.alternatives(cfg, st, item.name)
         if not alternatives:
             continue
         alt = alternatives[0]
@@ -329,8 +274,7 @@ def _test_phase(cfg: ForkConfig, work: Path, st: State) -> int | None:
         n_before = sum(1 for r in st.results[:k] if r.applied)
         commits = git.out(["rev-list", "--reverse", f"{base_tag(st.onto)}..HEAD"], tree).split()
         target = commits[n_before - 1] if n_before else base_tag(st.onto)
-        git.run(["reset", "-q", "--hard", target], tree)
-        git.run(["clean", "-q", "-fd"], tree)
+        rebase_apply.rewind(tree, target)
         copy = f"queue/{item.name}.{len(st.tried[item.name])}"
         shutil.copyfile(alt, work / copy)
         st.items[k] = Item(item.name, copy, rel)
@@ -388,9 +332,7 @@ def resume(cfg: ForkConfig, *, test: bool = False, no_test: bool = False) -> int
                 _record(work, st, tree, result)
             else:
                 # Cut short while applying (failure or signal): back to the last finished patch.
-                materialize.abort_am(tree)
-                git.run(["reset", "-q", "--hard", st.head], tree)
-                git.run(["clean", "-q", "-fd"], tree)
+                rebase_apply.rewind(tree, st.head)
         except BaseException as exc:
             if isinstance(exc, ForkError) and exc.exit_code == EXIT_CONFLICT:
                 raise

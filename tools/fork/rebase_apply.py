@@ -1,12 +1,14 @@
-"""Applying one patch onto the new release and classifying the outcome, with its evidence."""
+"""Applying one patch onto the new release (or another version of it) and classifying the outcome."""
 
 from __future__ import annotations
 
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from tools.fork import git, materialize, series
+from tools.fork.config import ForkConfig
 from tools.fork.errors import EXIT_CONFLICT, ForkError
 from tools.fork.materialize import ApplyFailed
 from tools.fork.rebase_state import (
@@ -19,6 +21,7 @@ from tools.fork.rebase_state import (
     Item,
     Result,
     State,
+    workdir,
 )
 from tools.fork.series import base_tag, hunk_positions
 
@@ -225,3 +228,59 @@ def resolve_current(tree: Path, st: State) -> Result:
         f"(`git reset --soft {st.head[:12]}` then `git commit -C ORIG_HEAD`), then continue",
         EXIT_CONFLICT,
     )
+
+
+def other_version_applies(cfg: ForkConfig, work: Path, tree: Path, st: State, conflict: Conflict):
+    """A patch that conflicts may have another version that applies as it is (a per-base variant
+    written for a release like this one): take the first that `git am` applies without a merge; the
+    tests then judge it. None applies: the conflict of the version tried first is left to resolve."""
+    item = conflict.item
+    files = ", ".join(line.split(":", 1)[0] for line in conflict.files) or "?"
+    for alt in alternatives(cfg, st, item.name):
+        rewind(tree, st.head)
+        rel = alt.relative_to(cfg.root).as_posix()
+        st.tried.setdefault(item.name, []).append(item.origin)
+        st.tried[item.name].append(rel)
+        try:
+            materialize.am(tree, series.Patch(item.name, alt))
+        except ApplyFailed:
+            continue
+        copy = f"queue/{item.name}.{len(st.tried[item.name])}"
+        shutil.copyfile(alt, work / copy)
+        st.items[st.index] = Item(item.name, copy, rel)
+        st.chosen[item.name] = f"{item.origin} conflicts in {files}"
+        print(f"  [{st.index + 1}/{len(st.items)}] {item.name}: {item.origin} conflicts in {files}; "
+              f"{rel} applies", flush=True)  # fmt: skip
+        origin = [f"{rel.split('/')[2]} variant"] if rel.startswith("patches/bases/") else []
+        return Result(item.name, APPLIED_CLEANLY, origin, applied=True)
+    if st.tried.get(item.name):
+        rewind(tree, st.head)
+        return apply_one(tree, work, item, st)
+    return conflict
+
+
+def rewind(tree: Path, rev: str) -> None:
+    """Back to commit `rev` in the rebase tree: no `git am` session, no changes left."""
+    materialize.abort_am(tree)
+    git.run(["reset", "-q", "--hard", rev], tree)
+    git.run(["clean", "-q", "-fd"], tree)
+
+
+def alternatives(cfg: ForkConfig, st: State, name: str) -> list[Path]:
+    """Other versions of patch `name` the repository has (the pin's and every base's variant),
+    not yet tried, by content."""
+    item = next(i for i in st.items if i.name == name)
+    used = (workdir(cfg) / item.file).read_bytes() if item.file else b""
+    seen = {series.patch_id(used)} if used.strip() else set()
+    tried = set(st.tried.get(name, []))
+    out = []
+    for path in [cfg.patches_dir / name, *sorted(cfg.patches_dir.glob(f"bases/*/{name}"))]:
+        rel = path.relative_to(cfg.root).as_posix()
+        if not path.is_file() or not path.read_bytes().strip() or rel in tried:
+            continue
+        pid = series.patch_id(path.read_bytes())
+        if pid in seen:
+            continue
+        seen.add(pid)
+        out.append(path)
+    return out

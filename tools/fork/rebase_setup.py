@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tools.fork import config, git, materialize, upstream
+from tools.fork import git, materialize, registry, upstream
 from tools.fork.config import ForkConfig
 from tools.fork.errors import BadInput, ForkError, LocalEdits
 from tools.fork.materialize import ApplyFailed
@@ -33,7 +33,7 @@ def first_use_source(
     """A release fork.toml does not list yet: take the sdist as it is and record its sha256 (TOFU).
     With --checkout the files come from the checkout (its version checked) and the pin's sha256
     from the release's sdist in the cache."""
-    cached = config.cache_dir() / "sdists" / upstream.sdist_name(cfg.dist, version)
+    cached = registry.cached_sdist(cfg, version)
     if checkout is not None:
         src = upstream.from_checkout(checkout, version, version_unchecked=version_unchecked)
         if not cached.exists():

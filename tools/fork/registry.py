@@ -21,6 +21,11 @@ def sdist_name(dist: str, version: str) -> str:
     return f"{dist.replace('-', '_')}-{version}.tar.gz"
 
 
+def cached_sdist(cfg: ForkConfig, version: str) -> Path:
+    """Where the cache keeps `version`'s sdist (it may not be there)."""
+    return cache_dir() / "sdists" / sdist_name(cfg.dist, version)
+
+
 # What pip needs importable to read vllm-ascend's sdist metadata (`pip download` prepares it):
 # kept in a small cached helper venv, so that getting a file never needs this Python to have them.
 HELPER_TOOLS = ("setuptools>=64,<81", "setuptools-scm>=8", "wheel")
@@ -93,7 +98,7 @@ def _pip_download(cfg: ForkConfig, version: str, dest: Path) -> Path:
 def download_sdist(cfg: ForkConfig, version: str, accept: Callable[[Path], None]) -> Path:
     """Download `version`'s sdist from the package registry into the cache; only a file that
     `accept` passes (it raises otherwise) enters the cache."""
-    cached = cache_dir() / "sdists" / sdist_name(cfg.dist, version)
+    cached = cached_sdist(cfg, version)
     cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".download-") as tmp:
         downloaded = _pip_download(cfg, version, Path(tmp))

@@ -7,12 +7,10 @@ it refuses to discard edits made in the tree (export them first, or --force).
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
 
 from tools.fork import series, upstream
-from tools.fork.cli import add_source_arguments
-from tools.fork.errors import BadInput
+from tools.fork.cli import add_source_arguments, check_named_source
 from tools.fork.materialize import materialize
 
 HELP = __doc__
@@ -26,19 +24,6 @@ def add_arguments(p) -> None:
     )
     add_source_arguments(p)
     p.add_argument("--force", action="store_true", help="discard local edits in DIR")
-
-
-def check_named_source(args) -> None:
-    """A source the user named is checked even when the tree is up to date and would not need it."""
-    if args.sdist is not None:
-        if not args.sdist.is_file():
-            raise BadInput(f"--sdist {args.sdist}: {'not a file' if args.sdist.exists() else 'no such file'}")
-        try:
-            is_archive = tarfile.is_tarfile(args.sdist)
-        except OSError as exc:
-            raise BadInput(f"--sdist {args.sdist}: cannot read it ({exc.strerror or exc})") from None
-        if not is_archive:
-            raise BadInput(f"--sdist {args.sdist}: not an sdist (not a .tar.gz archive)")
 
 
 def run(args, cfg) -> int:

@@ -1,6 +1,8 @@
-"""Check the series: it applies to the pin with no fuzz or offset, the overlay matches it,
-re-exporting reproduces `patches/` byte for byte, and every patch follows upstream's
-conventions (`[Module][Action] Title`, the three PR body sections, `Signed-off-by:`).
+"""Check the series: it applies exactly, matches the overlay and follows upstream's conventions.
+
+It applies to the pin with no fuzz or offset, the overlay matches it, re-exporting reproduces
+`patches/` byte for byte, and every patch follows upstream's conventions (`[Module][Action] Title`,
+the three PR body sections, `Signed-off-by:`).
 
 Each problem is printed with the patch and file it concerns; the exit code is 1 if any.
 `--all-bases` repeats the apply and overlay checks on every base in fork.toml (the support
@@ -10,63 +12,21 @@ fork's tests (`python -m tools.fork test --base VERSION`) on each base checked.
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
-from tools.fork import overlay, series, upstream
+from tools.fork import cli, overlay, series, upstream
 from tools.fork.config import ForkConfig
 from tools.fork.errors import EXIT_FAILED, EXIT_OK
-from tools.fork.export import render
 from tools.fork.materialize import ApplyFailed, materialize
-from tools.fork.series import BODY_SECTIONS, SUBJECT_RE, Patch
+from tools.fork.series import Patch, convention_problems, hunk_positions, render
 
 HELP = __doc__
-
-_HUNK_RE = re.compile(rb"^diff --git a/(\S+) |^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@", re.M)
 
 
 def add_arguments(p) -> None:
     p.add_argument("--all-bases", action="store_true", help="also apply the series to every base in fork.toml")
     p.add_argument("--test", action="store_true", help="also run the fork's tests on every base checked")
-    from tools.fork.cli import add_source_arguments
-
-    add_source_arguments(p)
-
-
-def convention_problems(patch: Patch) -> list[str]:
-    info = patch.info
-    where = f"patch {patch.name}"
-    problems = []
-    if not SUBJECT_RE.match(info.subject):
-        problems.append(f"{where}: subject {info.subject!r} is not `[Module][Action] Title` (e.g. `[Ops][BugFix] ...`)")
-    position = -1
-    for section in BODY_SECTIONS:
-        found = info.message.find(section)
-        if found < 0:
-            problems.append(f"{where}: body lacks the PR section {section!r}")
-        elif found < position:
-            problems.append(f"{where}: body section {section!r} is out of order")
-        else:
-            position = found
-    sob = info.signoffs
-    author = f"{info.author} <{info.email}>"
-    if not sob:
-        problems.append(f"{where}: no `Signed-off-by:` line (DCO); commit with `git commit -s`")
-    elif author not in sob:
-        problems.append(f"{where}: no `Signed-off-by: {author}` from the author (found: {', '.join(sob)})")
-    return problems
-
-
-def _hunk_positions(data: bytes) -> list[tuple[str, int, int]]:
-    out, current = [], ""
-    for m in _HUNK_RE.finditer(data):
-        if m.group(1):
-            current = m.group(1).decode()
-        else:
-            out.append((current, int(m.group(2)), int(m.group(3))))
-    return out
+    cli.add_source_arguments(p)
 
 
 def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) -> list[str]:
@@ -82,7 +42,7 @@ def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) 
         new = got.get(p.name)
         if new is None or new == p.data:
             continue
-        old_hunks, new_hunks = _hunk_positions(p.data), _hunk_positions(new)
+        old_hunks, new_hunks = hunk_positions(p.data), hunk_positions(new)
         moved = [
             f"{f}: hunk @@ -{o},+{n} now applies at -{o2} (offset {o2 - o:+d} lines)"
             for (f, o, n), (_, o2, _) in zip(old_hunks, new_hunks)
@@ -151,13 +111,6 @@ def series_file_problems(cfg: ForkConfig) -> list[str]:
     return problems
 
 
-def run_fork_tests(cfg: ForkConfig, version: str) -> int:
-    """Run the fork's tests on a base through the `test` verb; its exit code."""
-    cmd = [sys.executable, "-m", "tools.fork", "-C", str(cfg.root), "test", "--base", version]
-    print(f"fork: running the fork's tests on {version}: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2]).returncode
-
-
 def _source_for(cfg: ForkConfig, version: str, args):
     """The base's source: a given --sdist/--checkout where it is that version (with --all-bases each
     base finds its own: the cache, a checkout remembered from an earlier --checkout, or the registry)."""
@@ -206,7 +159,7 @@ def run(args, cfg) -> int:
         print(f"fork check: {label} vllm-ascend {version}: {n} patch(es): {status}")
         problems += [f"[{version}] {msg}" for msg in found]
         if getattr(args, "test", False) and not found:
-            rc = run_fork_tests(cfg, version)
+            rc = cli.run_fork_tests(cfg, version)
             if rc:
                 problems.append(f"[{version}] the fork's tests failed (exit {rc})")
     for msg in problems:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
-from tools.fork.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, ForkError
+from tools.fork.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, BadInput, ForkError
 
 # verb -> (module under tools.fork, one-sentence summary for `--help`);
 # each module has HELP, add_arguments(parser), run(args, cfg) -> int
@@ -81,6 +83,26 @@ def add_source_arguments(p) -> None:
         action="store_true",
         help="accept a --checkout whose version cannot be read from it (tag, PKG-INFO, _version.py)",
     )
+
+
+def check_named_source(args) -> None:
+    """A source the user named is checked even when the tree is up to date and would not need it."""
+    if args.sdist is not None:
+        if not args.sdist.is_file():
+            raise BadInput(f"--sdist {args.sdist}: {'not a file' if args.sdist.exists() else 'no such file'}")
+        try:
+            is_archive = tarfile.is_tarfile(args.sdist)
+        except OSError as exc:
+            raise BadInput(f"--sdist {args.sdist}: cannot read it ({exc.strerror or exc})") from None
+        if not is_archive:
+            raise BadInput(f"--sdist {args.sdist}: not an sdist (not a .tar.gz archive)")
+
+
+def run_fork_tests(cfg, version: str) -> int:
+    """Run the fork's tests on a base through the `test` verb, in a child process; its exit code."""
+    cmd = [sys.executable, "-m", "tools.fork", "-C", str(cfg.root), "test", "--base", version]
+    print(f"fork: running the fork's tests on {version}: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2]).returncode
 
 
 def tools_env_missing(exc: ModuleNotFoundError) -> str | None:

@@ -11,28 +11,18 @@ deterministic: exporting an unchanged series reproduces `patches/` byte for byte
 
 from __future__ import annotations
 
-import re
 import tempfile
 from pathlib import Path
 
 from tools.fork import git, overlay, series
 from tools.fork.config import ForkConfig
 from tools.fork.errors import BadInput, LocalEdits
-from tools.fork.materialize import State, base_tag, require_tree
+from tools.fork.forktoml import rename_toml_entries
+from tools.fork.materialize import State, require_tree
+from tools.fork.series import base_tag, convention_problems, render
 from tools.fork.txn import StagedWrite
 
 HELP = __doc__
-
-FORMAT_PATCH = [
-    "format-patch",
-    "--keep-subject",  # the subject is the PR title `[Module][Action] Title`; apply with `git am --keep-non-patch`
-    "--zero-commit",  # no commit hashes: they change whenever anything below changes
-    "--no-signature",  # no git version line
-    "--full-index",  # full blob ids: `git am -3` can always find the preimage
-    "--no-renames",
-    "--stat=80,60",
-    "--encoding=UTF-8",
-]
 
 
 def add_arguments(p) -> None:
@@ -40,13 +30,6 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--upstream", type=Path, metavar="DIR", help="write only the upstreamable patches, as a series, to DIR"
     )
-
-
-def render(tree: Path, version: str) -> list[tuple[str, bytes]]:
-    """The series of a materialized tree as format-patch files: [(name, content)]."""
-    with tempfile.TemporaryDirectory() as tmp:
-        names = git.out([*FORMAT_PATCH, "-o", tmp, f"{base_tag(version)}..HEAD"], tree).splitlines()
-        return [(Path(n).name, Path(n).read_bytes()) for n in names]
 
 
 def _require_exportable(tree: Path) -> None:
@@ -122,12 +105,11 @@ def stage_series(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str,
 
 
 def stage_overlay(cfg: ForkConfig, staged: StagedWrite, tree: Path, version: str) -> None:
-    own = overlay.ownership(tree, version)
-    added = own.added_in_overlay()
-    for path in added:
-        staged.write(cfg.root / path, overlay.blob(tree, "HEAD", path) or b"")
-    for path in overlay.repo_files(cfg) - added:
-        staged.delete(cfg.root / path)
+    for path, data in overlay.changes(cfg, tree, version).items():
+        if data is None:
+            staged.delete(cfg.root / path)
+        else:
+            staged.write(cfg.root / path, data)
 
 
 def renames(cfg: ForkConfig, rendered: list[tuple[str, bytes]]) -> dict[str, str]:
@@ -148,14 +130,6 @@ def stage_fork_toml_renames(cfg: ForkConfig, staged: StagedWrite, rendered: list
     new_text = rename_toml_entries(text, mapping)
     if new_text != text:
         staged.write(cfg.toml_path, new_text.encode())
-
-
-def rename_toml_entries(text: str, mapping: dict[str, str]) -> str:
-    """Rename `[patches."OLD"]` tables to `[patches."NEW"]` in one pass (chains stay correct)."""
-    if not mapping:
-        return text
-    pattern = re.compile(r'^(\[patches\.")([^"]+)("\][ \t]*(?:#.*)?)$', re.M)
-    return pattern.sub(lambda m: m.group(1) + mapping.get(m.group(2), m.group(2)) + m.group(3), text)
 
 
 def stage_variant_renames(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]]) -> None:
@@ -202,14 +176,12 @@ def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[Path]]:
 
 def export_upstream(cfg: ForkConfig, dest: Path) -> list[str]:
     """Copy the upstreamable patches (not fork-only) to `dest` as a clean `git am` series."""
-    from tools.fork import check
-
     if dest.exists() and not dest.is_dir():
         raise BadInput(f"--upstream {dest}: not a directory (give a new or empty directory)")
     if not dest.exists() and any(parent.exists() and not parent.is_dir() for parent in dest.parents):
         raise BadInput(f"--upstream {dest}: a parent of it is not a directory")
     patches = [p for p in series.read(cfg) if p.name not in cfg.fork_only]
-    problems = [msg for p in patches for msg in check.convention_problems(p)]
+    problems = [msg for p in patches for msg in convention_problems(p)]
     if problems:
         raise BadInput("not exporting for upstream; fix first:\n  - " + "\n  - ".join(problems))
     if dest.exists() and any(dest.iterdir()):

@@ -101,6 +101,12 @@ def out(args: Sequence[str], cwd: Path, **kwargs) -> str:
     return run(args, cwd, **kwargs).stdout.strip()
 
 
+def filter_bytes(args: Sequence[str], data: bytes, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a git command that reads `data` and needs no repository (`patch-id`, `mailinfo`); bytes out,
+    unchecked: the caller reads the return code."""
+    return subprocess.run(_argv(args), cwd=cwd, input=data, capture_output=True, env=git_env())
+
+
 def is_repo(path: Path) -> bool:
     return (path / ".git").exists()
 

@@ -14,16 +14,12 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tools.fork import git, upstream
+from tools.fork import git, series, upstream
 from tools.fork.errors import BadInput, ForkError, LocalEdits
-from tools.fork.series import Patch
+from tools.fork.series import Patch, base_tag
 
 BRANCH = "fork"
 BASE_AUTHOR = "vllm-ascend upstream <upstream@vllm-ascend.invalid>"
-
-
-def base_tag(version: str) -> str:
-    return f"v{version}"
 
 
 @dataclass
@@ -152,11 +148,6 @@ def local_edits(tree: Path) -> list[str]:
     return problems
 
 
-def _patch_id(diff: str, cwd: Path) -> str | None:
-    out = git.run(["patch-id", "--stable"], cwd, input=diff, check=False).stdout.split()
-    return out[0] if out else None
-
-
 def unheld_commits(tree: Path, version: str, patches: list[Patch], repo: Path | None = None) -> list[str]:
     """The commits on top of the base in `tree` whose change is held neither by one of `patches`
     (same `git patch-id`) nor by any patch file git knows in the fork repository (a commit that
@@ -167,17 +158,15 @@ def unheld_commits(tree: Path, version: str, patches: list[Patch], repo: Path | 
     commits = git.out(["rev-list", "--reverse", f"{base}..HEAD"], tree, check=False).split()
     if not commits:
         return []
-    held = {_patch_id(p.path.read_text(errors="replace"), tree) for p in patches if p.path.is_file()}
+    held = {series.patch_id(p.path.read_bytes()) for p in patches if p.path.is_file()}
     repo = repo or (patches[0].path.parent if patches else None)
     lost = []
     for c in commits:
-        shown = git.run(["show", "--no-renames", "--format=commit %H", c], tree, check=False).stdout
-        if _patch_id(shown, tree) in held:
+        shown = git.run(["show", "--no-renames", "--format=commit %H", c], tree, check=False, binary=True).stdout
+        if series.patch_id(shown) in held:
             continue
         if repo is not None:  # the exported form of this commit, as a blob the fork repository has
-            from tools.fork.export import FORMAT_PATCH
-
-            rendered = git.run([*FORMAT_PATCH, "--stdout", "-1", c], tree, check=False, binary=True).stdout
+            rendered = git.run([*series.FORMAT_PATCH, "--stdout", "-1", c], tree, check=False, binary=True).stdout
             blob = git.run(["hash-object", "--stdin"], repo, input=rendered, check=False, binary=True).stdout
             blob = blob.decode().strip()
             if blob and git.run(["cat-file", "-e", blob], repo, check=False).returncode == 0:

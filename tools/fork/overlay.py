@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tools.fork import git
 from tools.fork.config import OVERLAY_ROOTS, ForkConfig
-from tools.fork.materialize import base_tag
+from tools.fork.series import base_tag
 
 
 @dataclass
@@ -70,3 +70,12 @@ def repo_files(cfg: ForkConfig) -> set[str]:
 def blob(tree: Path, rev: str, path: str) -> bytes | None:
     proc = git.run(["show", f"{rev}:{path}"], tree, check=False, binary=True)
     return proc.stdout if proc.returncode == 0 else None
+
+
+def changes(cfg: ForkConfig, tree: Path, version: str) -> dict[str, bytes | None]:
+    """What writing the overlay from a materialized tree changes: {repo-relative path: the file as
+    the series leaves it, or None to remove a file no patch adds any more}."""
+    added = ownership(tree, version).added_in_overlay()
+    out: dict[str, bytes | None] = {path: blob(tree, "HEAD", path) or b"" for path in sorted(added)}
+    out.update((path, None) for path in sorted(repo_files(cfg) - added))
+    return out

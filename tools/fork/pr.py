@@ -18,7 +18,6 @@ import re
 import sys
 
 from tools.fork import series
-from tools.fork.check import convention_problems
 from tools.fork.config import ForkConfig
 from tools.fork.errors import EXIT_FAILED, BadInput
 
@@ -65,7 +64,7 @@ def pull_request(patch: series.Patch) -> tuple[str, str]:
 
 
 def warnings(patch: series.Patch, body: str) -> list[str]:
-    out = convention_problems(patch)
+    out = series.convention_problems(patch)
     for line in body.splitlines():
         if BOT_DELETES_RE.search(line):
             out.append(f"upstream's PR bot deletes body lines containing '- vLLM ': {line.strip()[:80]!r}")

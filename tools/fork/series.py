@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,6 +21,24 @@ BODY_SECTIONS = (
 )
 # `[Module][Action] Title`, optionally preceded by a branch tag such as `[v0.23.0]`.
 SUBJECT_RE = re.compile(r"^(?:\[[^\[\]]+\])?\[[A-Za-z0-9][\w .+/-]*\]\[[A-Za-z][\w .+/-]*\] \S.*$")
+
+FORMAT_PATCH = [
+    "format-patch",
+    "--keep-subject",  # the subject is the PR title `[Module][Action] Title`; apply with `git am --keep-non-patch`
+    "--zero-commit",  # no commit hashes: they change whenever anything below changes
+    "--no-signature",  # no git version line
+    "--full-index",  # full blob ids: `git am -3` can always find the preimage
+    "--no-renames",
+    "--stat=80,60",
+    "--encoding=UTF-8",
+]
+
+_HUNK_RE = re.compile(rb"^diff --git a/(\S+) |^@@ -(\d+)(?:,\d+)? \+(\d+)(?:,\d+)? @@", re.M)
+
+
+def base_tag(version: str) -> str:
+    """The tag of the base release's commit in a materialized tree."""
+    return f"v{version}"
 
 
 @dataclass(frozen=True)
@@ -59,12 +76,7 @@ def mailinfo(patch: bytes) -> MailInfo:
     """Split a format-patch mail with `git mailinfo` (subject kept as written)."""
     with tempfile.TemporaryDirectory() as tmp:
         msg, diff = Path(tmp, "msg"), Path(tmp, "patch")
-        proc = subprocess.run(
-            ["git", "mailinfo", "-k", "-u", str(msg), str(diff)],
-            input=patch,
-            capture_output=True,
-            env=git.git_env(),
-        )
+        proc = git.filter_bytes(["mailinfo", "-k", "-u", str(msg), str(diff)], patch)
         if proc.returncode != 0:
             raise BadInput(f"not a patch mail: {proc.stderr.decode(errors='replace').strip()}")
         headers = dict(line.split(": ", 1) for line in proc.stdout.decode().splitlines() if ": " in line)
@@ -99,7 +111,7 @@ def created_files(patch: bytes) -> list[str]:
 def patch_id(diff: bytes) -> str:
     """`git patch-id --stable` of a patch or diff (ignores line numbers, whitespace and the message);
     empty for a patch without changes."""
-    proc = subprocess.run(["git", "patch-id", "--stable"], input=diff, capture_output=True, env=git.git_env())
+    proc = git.filter_bytes(["patch-id", "--stable"], diff)
     if proc.returncode != 0:
         raise BadInput(f"git patch-id failed: {proc.stderr.decode(errors='replace').strip()}")
     return proc.stdout.decode().split(" ", 1)[0].strip()
@@ -171,3 +183,46 @@ def carry_variant_only(cfg: ForkConfig, pin_names: list[str]) -> list[str]:
 
 def series_text(names: list[str]) -> str:
     return "".join(f"{n}\n" for n in names)
+
+
+def render(tree: Path, version: str) -> list[tuple[str, bytes]]:
+    """The series of a materialized tree as format-patch files: [(name, content)]."""
+    with tempfile.TemporaryDirectory() as tmp:
+        names = git.out([*FORMAT_PATCH, "-o", tmp, f"{base_tag(version)}..HEAD"], tree).splitlines()
+        return [(Path(n).name, Path(n).read_bytes()) for n in names]
+
+
+def hunk_positions(data: bytes) -> list[tuple[str, int, int]]:
+    """(file, old start line, new start line) of each hunk of a patch or diff, in order."""
+    out, current = [], ""
+    for m in _HUNK_RE.finditer(data):
+        if m.group(1):
+            current = m.group(1).decode()
+        else:
+            out.append((current, int(m.group(2)), int(m.group(3))))
+    return out
+
+
+def convention_problems(patch: Patch) -> list[str]:
+    """How a patch breaks upstream's conventions: subject, the PR body sections in order, the DCO sign-off."""
+    info = patch.info
+    where = f"patch {patch.name}"
+    problems = []
+    if not SUBJECT_RE.match(info.subject):
+        problems.append(f"{where}: subject {info.subject!r} is not `[Module][Action] Title` (e.g. `[Ops][BugFix] ...`)")
+    position = -1
+    for section in BODY_SECTIONS:
+        found = info.message.find(section)
+        if found < 0:
+            problems.append(f"{where}: body lacks the PR section {section!r}")
+        elif found < position:
+            problems.append(f"{where}: body section {section!r} is out of order")
+        else:
+            position = found
+    sob = info.signoffs
+    author = f"{info.author} <{info.email}>"
+    if not sob:
+        problems.append(f"{where}: no `Signed-off-by:` line (DCO); commit with `git commit -s`")
+    elif author not in sob:
+        problems.append(f"{where}: no `Signed-off-by: {author}` from the author (found: {', '.join(sob)})")
+    return problems

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tools.fork import git, series, wheel
-from tools.fork.materialize import State, local_edits
+from tools.fork import git, materialize, series, wheel
+from tools.fork.errors import InProgress
+from tools.fork.rebase_state import State, workdir
 
 HELP = __doc__
 
@@ -30,14 +31,14 @@ def run(args, cfg) -> int:
         ]
         if own:
             print(f"  on {b.version}: " + "; ".join(own))
-    work = cfg.build_dir / "rebase"
+    work = workdir(cfg)
     if work.exists():
         for line in _rebase_lines(cfg, work):
             print(line)
     tree = cfg.default_fork_dir()
     if git.is_repo(tree):
-        state = State.load(tree)
-        edits = local_edits(tree)
+        state = materialize.State.load(tree)
+        edits = materialize.local_edits(tree)
         applied = state is not None and state.series == [(p.name, p.sha256) for p in patches]
         how = "up to date" if applied and not edits else ("has local edits" if edits else "stale: run apply")
         print(f"tree     {tree.relative_to(cfg.root)}: {how}")
@@ -56,12 +57,9 @@ def run(args, cfg) -> int:
 
 def _rebase_lines(cfg, work) -> list[str]:
     """The rebase in progress: target version, where it stopped (patch, files or tests), what to do."""
-    from tools.fork import rebase
-    from tools.fork.errors import InProgress
-
     where = work.relative_to(cfg.root)
     try:
-        st = rebase.State.load(work)
+        st = State.load(work)
     except InProgress:
         return [f"rebase   in progress ({where}), state unreadable: `rebase --abort`"]
     lines = [f"rebase   in progress onto vllm-ascend {st.onto} (from {st.old_pin}; {where})"]

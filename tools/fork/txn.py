@@ -56,7 +56,7 @@ class StagedWrite:
             for tmp, _ in staged:
                 tmp.unlink(missing_ok=True)
             raise
-        with _signals_deferred():
+        with signals_deferred():
             for tmp, path in staged:
                 os.replace(tmp, path)
             for path in changed:
@@ -73,7 +73,7 @@ def _prune_empty_dirs(d: Path) -> None:
 
 
 @contextmanager
-def _signals_deferred():
+def signals_deferred():
     """Hold SIGINT/SIGTERM until the block ends (renames must not be cut in half)."""
     pending: list[int] = []
     sigs = [signal.SIGINT, signal.SIGTERM]

@@ -1,5 +1,6 @@
-"""What the fork's wheel is built from and how: shared by `build` and the PEP 517 backend,
-so `python -m tools.fork build` and `pip wheel .` produce the same wheel."""
+"""What the fork's wheel is built from and how, for both `build` and the PEP 517 backend.
+
+Shared, so `python -m tools.fork build` and `pip wheel .` produce the same wheel."""
 
 from __future__ import annotations
 

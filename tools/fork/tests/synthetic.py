@@ -307,3 +307,56 @@ def staged_leftovers(root: Path) -> list[Path]:
 
 def env_without_git() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+
+# --- rebase tests: the releases, and oracles ------------------------------------------------------
+
+A, B, C = "1.0", "1.1", "1.2"
+COPY, UTILS = "vllm_ascend/ops/copy.py", "vllm_ascend/patch/worker/patch_utils.py"
+SNAPSHOT_TEST = "tests/ut/worker/test_snapshot.py"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+def all_edits(patches=SERIES) -> dict:
+    edits: dict = {}
+    for _, e in patches:
+        edits.update(e)
+    return edits
+
+
+def expected_tree(files: dict[str, str], patches=SERIES) -> dict[str, str]:
+    out = dict(files)
+    for _, edits in patches:
+        out = edited(out, edits)
+    return out
+
+
+def make(tmp_path, monkeypatch, b_files: dict[str, str] | None, *, bases=(A, B), extra=None) -> Fork:
+    releases = {A: UPSTREAM}
+    if b_files is not None:
+        releases[B] = b_files
+    releases.update(extra or {})
+    fork = Fork(tmp_path, monkeypatch, releases, A, [v for v in bases if v in releases])
+    fork.names = fork.make_series()
+    return fork
+
+
+def outcomes(fork: Fork, text: str) -> dict[str, str]:
+    """Patch name -> outcome, from the per-patch progress lines."""
+    out = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("[") and "] " in line and ".patch: " in line:
+            name, rest = line.split("] ", 1)[1].split(": ", 1)
+            out[name] = rest
+    return out
+
+
+def assert_tree(fork: Fork, files: dict[str, str], tree: Path | None = None) -> None:
+    got = fork.tree_files(tree or fork.tree)
+    assert got == files
+
+
+def assert_unchanged(fork: Fork, before: dict[Path, bytes]) -> None:
+    assert fork.snapshot() == before
+    assert staged_leftovers(fork.root) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import upstream
+from tools.fork import registry, upstream
 from tools.fork.config import Base
 from tools.fork.errors import BadInput
 from tools.fork.tests.synthetic import UPSTREAM, Fork, make_sdist
@@ -67,7 +67,7 @@ def test_a_verified_checkout_is_remembered_instead_of_downloading(tmp_path, monk
     tree = _tagged(tmp_path / "co", "v1.0")
     fork.ok("apply", "--checkout", str(tree), "--base-only")
     # no sdist in the cache and no registry: the remembered checkout is used
-    monkeypatch.setattr(upstream, "_pip_download", lambda *a, **k: pytest.fail("downloaded"))
+    monkeypatch.setattr(registry, "_pip_download", lambda *a, **k: pytest.fail("downloaded"))
     from tools.fork import config
 
     src = upstream.fetch_sdist(config.load(fork.root), Base("1.0", fork.sha["1.0"]))

@@ -108,7 +108,7 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
         log=log,
         what=f"install {recipe.TORCHVISION} (--no-deps)",
     )
-    site = venvs.purelib(venv)
+    site = venvs.purelib(venv / "bin" / "python")
     (site / "sitecustomize.py").write_text(recipe.TORCHVISION_SHIM)
     _say(f"  torchvision shim: {site / 'sitecustomize.py'}")
     run_logged(pip(venv, "install", "-q", *recipe.VLLM_BUILD_TOOLS), env=env, log=log, what="install vLLM build tools")

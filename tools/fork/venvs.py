@@ -70,13 +70,17 @@ def create(venv: Path, *, log: Path, say=_say) -> None:
     run_logged([sys.executable, "-m", "venv", str(venv)], env=run_env(None), log=log, what="create venv", say=say)
 
 
-def purelib(venv: Path) -> Path:
-    """The venv's site-packages (where pure-Python packages go)."""
-    out = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        env=run_env(venv), capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    return Path(out.strip())
+def purelib(python: Path) -> Path:
+    """The site-packages (where pure-Python packages go) of the interpreter `python`."""
+    proc = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        env=run_env(None), capture_output=True, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise ForkError(
+            f"{python}: asking for its purelib failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
+        )
+    return Path(proc.stdout.strip())
 
 
 def recipe_hash(recipe: dict) -> str:

@@ -1,6 +1,7 @@
 """The CPU test environment of a base: derived from the base itself, built once, cached.
 
-Where it comes from, per base tree (docs/testing.md):
+Where it comes from, per base tree (docs/testing.md; the constants and the reading are base_recipe.py's,
+the building is venvs.py's):
   vLLM          the version the base pairs with: its own docs/source/community/versioning_policy.md
                 ("Release compatibility matrix", the row for the base), else the X.Y.Z rule
                 (vllm-ascend X.Y.Z[rcN|.postN] -> vLLM X.Y.Z). Built from vLLM's sdist as pure

@@ -214,3 +214,20 @@ def test_run_env_drops_pythonpath_and_cargo(monkeypatch, tmp_path):
     assert "PYTHONPATH" not in env
     assert env["PATH"].split(":") == [str(tmp_path / "venv" / "bin"), "/usr/bin"]
     assert env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0" and env["X"] == "1"
+
+
+# --- the one venv builder's spec-recorded venvs (the kernel harness's triton-ascend venv) --
+
+
+def test_ensure_spec_reuses_an_unchanged_spec_and_installs_a_changed_one(tmp_path, monkeypatch):
+    where = tmp_path / "ascend-venv"
+    (where / "bin").mkdir(parents=True)
+    (where / "bin" / "python").write_text("")
+    (where / ".spec").write_text(json.dumps(["a==1"]))
+    calls = []
+    monkeypatch.setattr(venvs, "run_logged", lambda cmd, **kw: calls.append(cmd))
+    assert venvs.ensure_spec(where, ["a==1"], ".spec") == where / "bin" / "python"
+    assert calls == [], "an unchanged spec installs nothing"
+    venvs.ensure_spec(where, ["a==2"], ".spec")
+    assert calls == [venvs.pip(where, "install", "-q", "a==2")], "the venv exists: only pip runs"
+    assert json.loads((where / ".spec").read_text()) == ["a==2"]

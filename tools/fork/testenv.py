@@ -48,9 +48,7 @@ from tools.fork import venvs
 from tools.fork.base_recipe import BaseRecipe, read_base
 from tools.fork.config import cache_dir
 from tools.fork.errors import ForkError
-from tools.fork.venvs import pip, run_logged
-
-_say = venvs._say
+from tools.fork.venvs import pip, run_logged, say
 
 
 @dataclass(frozen=True)
@@ -111,7 +109,7 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     )
     site = venvs.purelib(venv / "bin" / "python")
     (site / "sitecustomize.py").write_text(recipe.TORCHVISION_SHIM)
-    _say(f"  torchvision shim: {site / 'sitecustomize.py'}")
+    say(f"  torchvision shim: {site / 'sitecustomize.py'}")
     run_logged(pip(venv, "install", "-q", *recipe.VLLM_BUILD_TOOLS), env=env, log=log, what="install vLLM build tools")
     vllm_env = dict(env, VLLM_TARGET_DEVICE="empty", VLLM_VERSION_OVERRIDE=base.vllm)
     vllm = f"vllm=={base.vllm}"
@@ -145,7 +143,7 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     proc = subprocess.run([str(venv / "bin" / "python"), "-c", check], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ForkError(f"test env: the built venv does not import as expected:\n{proc.stderr.strip()[-2000:]}")
-    _say(f"  check: {proc.stdout.strip()}")
+    say(f"  check: {proc.stdout.strip()}")
     freeze = subprocess.run(pip(venv, "freeze", "--all"), env=env, capture_output=True, text=True)
     (root / "freeze.txt").write_text(freeze.stdout)
 
@@ -175,7 +173,7 @@ def ensure(
     t0 = time.monotonic()
     root = root or default_root()
     base = read_base(base_tree, version)
-    _say(
+    say(
         f"base vllm-ascend {version}: vLLM {base.vllm} (from {base.vllm_from}); "
         f"{base.transformers or 'no transformers pin'} (its requirements.txt); {recipe.TORCH} CPU"
         + (
@@ -186,7 +184,7 @@ def ensure(
     )
 
     def note():
-        _say(f"  requirements from {base_tree / 'requirements.txt'}, left out: {', '.join(base.dropped) or '(none)'}")
+        say(f"  requirements from {base_tree / 'requirements.txt'}, left out: {', '.join(base.dropped) or '(none)'}")
 
     venv_hash, venv_home = venvs.build_part(
         root, "venv", recipe.venv_recipe(base), "venv", lambda home, log: _build_venv(home, base, log),
@@ -197,7 +195,7 @@ def ensure(
     )  # fmt: skip
     if link_dir is not None:
         venvs.link(link_dir / "venv", venv_home / "venv")
-    _say(f"ready in {time.monotonic() - t0:.1f} s ({venv_home})")
+    say(f"ready in {time.monotonic() - t0:.1f} s ({venv_home})")
     return TestEnv(venv_home, venv_hash, triton_hash, triton_home, base)
 
 
@@ -211,7 +209,7 @@ def install_tree(tenv: TestEnv, tree: Path, version: str) -> None:
     except (FileNotFoundError, ValueError):
         have = None
     if have == want and (tree / "vllm_ascend" / "_build_info.py").exists():
-        _say(f"vllm_ascend editable from {tree}: already installed")
+        say(f"vllm_ascend editable from {tree}: already installed")
         return
     marker.unlink(missing_ok=True)
     env = tenv.env(

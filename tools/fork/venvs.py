@@ -24,7 +24,8 @@ RUN_ENV = {
 _STRIP_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV", "CONDA_PREFIX")
 
 
-def _say(msg: str) -> None:
+def say(msg: str) -> None:
+    """A progress line of an environment build (the default voice: the test environment's)."""
     print(f"testenv: {msg}", flush=True)
 
 
@@ -48,7 +49,7 @@ def pip(venv: Path, *args: str) -> list[str]:
     return [str(venv / "bin" / "python"), "-m", "pip", *args]
 
 
-def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, what: str, say=_say) -> float:
+def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, what: str, say=say) -> float:
     """Run a build step, output to `log`; raise with the log's tail on failure."""
     t0 = time.monotonic()
     with log.open("a") as f:
@@ -63,7 +64,7 @@ def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, what: str, say
     return dt
 
 
-def create(venv: Path, *, log: Path, say=_say) -> None:
+def create(venv: Path, *, log: Path, say=say) -> None:
     """A new venv with pip at `venv` (anything there before is removed), made by this Python."""
     if venv.exists():
         shutil.rmtree(venv)
@@ -113,7 +114,7 @@ class Stamp:
 
 
 @contextmanager
-def locked(path: Path, what: str, say=_say):
+def locked(path: Path, what: str, say=say):
     """Exclusive use of what `path` (a lock file) guards, across processes; says so when it waits."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a+") as f:
@@ -129,7 +130,7 @@ def locked(path: Path, what: str, say=_say):
 
 
 def build_part(
-    root: Path, name: str, recipe: dict, content: str, build, *, rebuild: bool, note=None, say=_say
+    root: Path, name: str, recipe: dict, content: str, build, *, rebuild: bool, note=None, say=say
 ) -> tuple[str, Path]:
     """Build `<root>/<name>-<hash16>/` once (under its lock); the stamp is written after a full build.
 
@@ -157,7 +158,7 @@ def build_part(
     return digest, home
 
 
-def ensure_spec(where: Path, spec: list[str], marker: str, say=_say) -> Path:
+def ensure_spec(where: Path, spec: list[str], marker: str, say=say) -> Path:
     """A venv at `where` holding `spec` (pip requirements), recorded in `where/marker`: an unchanged
     list installs nothing again. Returns its Python. The log of its steps is `where/../<name>.log`."""
     python = where / "bin" / "python"

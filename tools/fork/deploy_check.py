@@ -28,16 +28,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.fork import config, deploy, upstream
+from tools.fork import config, junit, upstream, venvs
+from tools.fork.deploy_expected import PACKAGE, Expected, expected, sha256
+from tools.fork.deploy_target import BACKUP_DIR
 from tools.fork.errors import BadInput, ForkError
 
 SCRIPT = Path("docker") / "deploy-installed.sh"
 PIP_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-RUN_ENV = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 # Loaded by pytest from the root of the copied tests: proves where vllm_ascend came from.
 _WHERE_CONFTEST = """\
@@ -85,28 +85,20 @@ def default_python(cfg: config.ForkConfig) -> Path:
     return cfg.build_dir / "testenv" / "venv" / "bin" / "python"
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    strip = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")
-    env = {k: v for k, v in os.environ.items() if k not in strip}
-    env.update(RUN_ENV)
-    env.update(extra or {})
-    return env
-
-
 def _run(cmd: list[str], *, what: str, cwd: Path | None = None, env: dict | None = None, ok=(0,)) -> str:
     proc = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, env=env or _env(), capture_output=True, text=True, stdin=subprocess.DEVNULL
+        [str(c) for c in cmd],
+        cwd=cwd,
+        env=env or venvs.run_env(None),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     out = proc.stdout + proc.stderr
     if proc.returncode not in ok:
         tail = "\n    ".join(out.strip().splitlines()[-30:])
         raise ForkError(f"deploy check: {what} failed (exit {proc.returncode}):\n    {tail}")
     return out
-
-
-def _purelib(python: Path) -> Path:
-    out = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], what="asking for purelib")
-    return Path(out.strip())
 
 
 def wheel_for(cfg: config.ForkConfig, version: str, python: Path, work: Path) -> Path:
@@ -119,7 +111,7 @@ def wheel_for(cfg: config.ForkConfig, version: str, python: Path, work: Path) ->
     tmp = wheels.with_name(wheels.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp, sdist]
-    _run(cmd, what=f"building the vllm-ascend {version} wheel", env=_env(PIP_ENV))
+    _run(cmd, what=f"building the vllm-ascend {version} wheel", env=venvs.run_env(None, PIP_ENV))
     (built,) = tmp.glob("*.whl")
     tmp.rename(wheels)
     return wheels / built.name
@@ -127,22 +119,22 @@ def wheel_for(cfg: config.ForkConfig, version: str, python: Path, work: Path) ->
 
 def fresh_venv(python: Path, wheel: Path, work: Path) -> tuple[Path, Path]:
     """A venv that sees `python`'s site-packages (read-only) and has the wheel installed in its own."""
-    base_site = _purelib(python)
+    base_site = venvs.purelib(python)
     venv = work / "venv"
     vpython = venv / "bin" / "python"
     if not vpython.exists() or _read(venv / "base.txt") != str(base_site):
         shutil.rmtree(venv, ignore_errors=True)
         _run([python, "-m", "venv", "--without-pip", venv], what="creating the venv")
         (venv / "base.txt").write_text(str(base_site))
-    site = _purelib(vpython)
-    for old in [site / deploy.PACKAGE, site / deploy.BACKUP_DIR, *site.glob("vllm_ascend-*.dist-info")]:
+    site = venvs.purelib(vpython)
+    for old in [site / PACKAGE, site / BACKUP_DIR, *site.glob("vllm_ascend-*.dist-info")]:
         shutil.rmtree(old, ignore_errors=True)  # ours: left over from an earlier run
     (site / "_fork_deploy_check_base.pth").write_text(f"{base_site}\n")
     # -I: the test environment may hold an (editable) vllm_ascend of its own; never touch it.
     _run(
         [vpython, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--no-index", wheel],
         what="installing the wheel",
-        env=_env(PIP_ENV),
+        env=venvs.run_env(None, PIP_ENV),
     )
     return vpython, site
 
@@ -151,7 +143,7 @@ def _read(path: Path) -> str | None:
     return path.read_text() if path.is_file() else None
 
 
-def added_tests(exp: deploy.Expected) -> list[str]:
+def added_tests(exp: Expected) -> list[str]:
     """The CPU test files the series adds (tests/ut/**/test_*.py)."""
     return [
         ch.path
@@ -172,7 +164,7 @@ def run_fork_tests(vpython: Path, pkg: Path, tree: Path, files: list[str], work:
             shutil.copy2(tree / "pyproject.toml", root / "pyproject.toml")
         (root / "conftest.py").write_text(_WHERE_CONFTEST)
         report, junit = root / "where.json", root / "junit.xml"
-        env = _env({"FORK_DEPLOY_PKG": str(pkg), "FORK_DEPLOY_REPORT": str(report)})
+        env = venvs.run_env(None, {"FORK_DEPLOY_PKG": str(pkg), "FORK_DEPLOY_REPORT": str(report)})
         cmd = [
             vpython,
             "-m",
@@ -201,18 +193,9 @@ def run_fork_tests(vpython: Path, pkg: Path, tree: Path, files: list[str], work:
 
 
 def junit_counts(path: Path) -> dict[str, int]:
-    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        if "failure" in kinds:
-            counts["failed"] += 1
-        elif "error" in kinds:
-            counts["error"] += 1
-        elif "skipped" in kinds:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
-    return counts
+    """passed / failed / error / skipped (xfailed counted as skipped) of a junit XML."""
+    c = junit.counts(junit.parse_junit(path.read_text()))
+    return {"passed": c["passed"], "failed": c["failed"], "error": c["error"], "skipped": c["skipped"] + c["xfailed"]}
 
 
 def tree_state(root: Path) -> dict[str, str]:
@@ -228,7 +211,7 @@ def tree_state(root: Path) -> dict[str, str]:
             elif path.is_dir():
                 out[rel] = "dir"
             else:
-                out[rel] = deploy.sha256(path.read_bytes())
+                out[rel] = sha256(path.read_bytes())
     return out
 
 
@@ -260,7 +243,7 @@ def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | 
         timings[name] = now - t
         t = now
 
-    exp = deploy.expected(cfg, version, scope=None)
+    exp = expected(cfg, version, scope=None)
     tree, test_files = exp.tree, added_tests(exp)
     changed = [
         f"{ch.status} {ch.path}" for ch in exp.changes if ch.status != "=" and ch.path.startswith("vllm_ascend/")
@@ -270,12 +253,12 @@ def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | 
     lap("materialize")
     wheel = wheel_for(cfg, version, python, work)
     vpython, site = fresh_venv(python, wheel, work)
-    pkg = site / deploy.PACKAGE
+    pkg = site / PACKAGE
     before = tree_state(site)
     lap("install")
 
     root_args = ["-C", str(cfg.root)]
-    script_env = _env({"FORK_REPO": str(cfg.root)})
+    script_env = venvs.run_env(None, {"FORK_REPO": str(cfg.root)})
     out = _run(["sh", config.REPO_ROOT / SCRIPT, vpython], what=str(SCRIPT), cwd=work, env=script_env)
     if f"imports vllm_ascend from {pkg}" not in out:
         raise ForkError(f"deploy check: {SCRIPT} did not find the installed package {pkg}:\n{out}")
@@ -316,7 +299,7 @@ def pip_uninstall_leaves_nothing(python: Path, vpython: Path, site: Path, script
         _run([python, "-m", "pip", "--python", vpython, "uninstall", "-y", "vllm-ascend"], what="pip uninstall")
     finally:
         aside.rename(pth)
-    left = sorted(p.name for p in site.iterdir() if p.name.startswith(("vllm_ascend", deploy.BACKUP_DIR)))
+    left = sorted(p.name for p in site.iterdir() if p.name.startswith(("vllm_ascend", BACKUP_DIR)))
     if left:
         raise ForkError(f"deploy check: `pip uninstall vllm-ascend` after a deploy left {left} in {site}")
 

@@ -137,3 +137,8 @@ def dirty_summary(cwd: Path, untracked: bool = True) -> str | None:
 
 def am_in_progress(cwd: Path) -> bool:
     return (cwd / ".git" / "rebase-apply").exists()
+
+
+def added_paths(cwd: Path, since: str, under: str, until: str = "HEAD") -> list[str]:
+    """Paths under `under` that commits `since..until` add (`git diff --diff-filter=A`), as git lists them."""
+    return out(["diff", "--name-only", "--diff-filter=A", since, until, "--", under], cwd).split()

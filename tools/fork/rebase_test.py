@@ -19,9 +19,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.fork import git, testenv
-from tools.fork import test as fork_test
+from tools.fork import git, suite, testenv
+from tools.fork.errors import ForkError
+from tools.fork.exclusions import EXCLUSIONS_FILE, ignored_paths, is_excluded, load_exclusions, resolve_exclusions
+from tools.fork.junit import counts, fmt_counts, is_test_file, parse_junit
 from tools.fork.materialize import base_tag, materialize
+from tools.fork.results import compare
 
 
 @dataclass
@@ -50,8 +53,7 @@ class Report:
 
 def added_test_files(tree: Path, version: str) -> list[str]:
     """Test files under tests/ut the series adds on top of the release (relative paths)."""
-    out = git.out(["diff", "--name-only", "--diff-filter=A", base_tag(version), "HEAD", "--", fork_test.UT_DIR], tree)
-    return sorted(f for f in out.split() if fork_test.is_test_file(f))
+    return sorted(f for f in git.added_paths(tree, base_tag(version), suite.UT_DIR) if is_test_file(f))
 
 
 def owners(tree: Path, version: str, files: list[str], commit_patch: dict[str, str]) -> dict[str, str]:
@@ -68,25 +70,23 @@ def _say(msg: str) -> None:
     print(f"fork rebase: [tests] {msg}", flush=True)
 
 
-def _pytest_plain(python: str, tree: Path, label: str, args: list[str], out: Path) -> fork_test.SuiteRun:
+def _pytest_plain(python: str, tree: Path, label: str, args: list[str], out: Path) -> suite.SuiteRun:
     """pytest with `python`, the tree on PYTHONPATH, nothing installed (--test-python)."""
     out.mkdir(parents=True, exist_ok=True)
     junit, log = out / f"{label}.xml", out / f"{label}.log"
     junit.unlink(missing_ok=True)
-    cmd = [python, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", "-o", "junit_family=xunit1", f"--junitxml={junit}",
-           f"--rootdir={tree}", *args]  # fmt: skip
+    cmd = suite.pytest_command(python, tree, junit, args)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FORK_TEST_PYTHON")}
     env["PYTHONPATH"] = str(tree)
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # no __pycache__ in the tree (it would read as a local edit)
     t0 = time.monotonic()
     with log.open("w") as f:
         proc = subprocess.run(cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    results = fork_test.parse_junit(junit.read_text()) if junit.exists() else {}
+    results = parse_junit(junit.read_text()) if junit.exists() else {}
     if proc.returncode not in (0, 1, 5) or not junit.exists():
         tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-15:])
-        raise fork_test.ForkError(f"{label}: pytest could not run (exit {proc.returncode}):\n    {tail}")
-    return fork_test.SuiteRun(label, results, time.monotonic() - t0, log=log, junit=junit)
+        raise ForkError(f"{label}: pytest could not run (exit {proc.returncode}):\n    {tail}")
+    return suite.SuiteRun(label, results, time.monotonic() - t0, log=log, junit=junit)
 
 
 class Runner:
@@ -94,7 +94,7 @@ class Runner:
 
     def __init__(self, cfg, version: str, source, *, python: str | None = None):
         self.cfg, self.version, self.source, self.python = cfg, version, source, python
-        self.out = fork_test.results_dir(cfg) / "rebase"
+        self.out = suite.results_dir(cfg) / "rebase"
         self.base_tree = cfg.default_base_dir(version)
         self._tenv: testenv.TestEnv | None = None
 
@@ -108,20 +108,19 @@ class Runner:
             self._tenv = testenv.ensure(self.base(), self.version, link_dir=self.cfg.build_dir / "testenv")
         return self._tenv
 
-    def run(self, tree: Path, label: str, args: list[str]) -> fork_test.SuiteRun:
+    def run(self, tree: Path, label: str, args: list[str]) -> suite.SuiteRun:
         _say(f"[{label}] pytest {' '.join(args[:3])}{' ...' if len(args) > 3 else ''} in {tree}")
         if self.python:
             r = _pytest_plain(self.python, tree, label, args, self.out)
         else:
-            r = fork_test.run_suite(self.tenv(), tree, self.version, label, args, self.out)
+            r = suite.run_suite(self.tenv(), tree, self.version, label, args, self.out)
         return r
 
     def cache_path(self, base_sha256: str, args: list[str]) -> Path | None:
         if self.python:
             return None
         tenv = self.tenv()
-        key = fork_test.base_cache_key(base_sha256, tenv, args)
-        return tenv.results_dir / f"base-{self.version}-{key[:16]}.xml"
+        return suite.base_cache_path(tenv, self.version, base_sha256, args)
 
 
 def run(
@@ -137,10 +136,10 @@ def run(
 ) -> Report:
     """The gate: the series' own tests, then (unless `series_only`) upstream's suite base vs fork."""
     runner = Runner(cfg, version, source, python=python)
-    exclusions = fork_test.load_exclusions(cfg.root) if (cfg.root / fork_test.EXCLUSIONS_FILE).is_file() else []
-    ignores = sorted({p for _, paths in fork_test.resolve_exclusions(exclusions, tree) for p in paths})
+    exclusions = load_exclusions(cfg.root) if (cfg.root / EXCLUSIONS_FILE).is_file() else []
+    ignores = ignored_paths(resolve_exclusions(exclusions, tree))
     added = added_test_files(tree, version)
-    excluded = {f for f in added if any(f == p or f.startswith(p + "/") for p in ignores)}
+    excluded = {f for f in added if is_excluded(f, ignores)}
     own = [f for f in added if f not in excluded]
     owner = owners(tree, version, own, commit_patch)
     report = Report(ok=True)
@@ -148,14 +147,14 @@ def run(
     # 1. the series' own tests
     if own:
         r = runner.run(tree, "series-tests", own)
-        cmp = fork_test.compare(None, r.results, own)
+        cmp = compare(None, r.results, own)
         for tid, why in cmp.fork_added_bad:
             res = r.results.get(tid)
             file = tid.split("::", 1)[0]
             outcome = res.outcome if res else "ran no test"
             report.failures.append(Failure(tid, outcome, res.message if res else why, owner.get(file)))
-        c = fork_test.counts(r.results)
-        report.summary.append(f"the series' own tests ({len(own)} file(s)): {fork_test._fmt_counts(c)}")
+        c = counts(r.results)
+        report.summary.append(f"the series' own tests ({len(own)} file(s)): {fmt_counts(c)}")
         if report.failures:
             report.ok = False
             return report
@@ -167,17 +166,17 @@ def run(
         return report
 
     # 2. upstream's CPU suite, base vs fork
-    args = fork_test.ut_pytest_args(ignores, None, [])
+    args = suite.ut_pytest_args(ignores, None, [])
     cache = runner.cache_path(base_sha256, args)
-    base_run = fork_test.load_cached(cache) if cache is not None else None
+    base_run = suite.load_cached(cache) if cache is not None else None
     if base_run is not None:
         _say(f"[base] results cached ({cache.name})")
     else:
         base_run = runner.run(runner.base(), "base", args)
         if cache is not None:
-            fork_test.store_cached(base_run, cache)
+            suite.store_cached(base_run, cache)
     fork_run = runner.run(tree, "fork", args)
-    cmp = fork_test.compare(base_run.results, fork_run.results, own, excluded)
+    cmp = compare(base_run.results, fork_run.results, own, excluded)
     for tid, outcome in cmp.regressions:
         res = fork_run.results[tid]
         report.failures.append(Failure(tid, f"{outcome} (passes on the base)", res.message, None, "suite"))
@@ -186,9 +185,9 @@ def run(
     for tid, why in cmp.fork_added_bad:
         file = tid.split("::", 1)[0]
         report.failures.append(Failure(tid, why, "", owner.get(file), "series"))
-    cb, cf = fork_test.counts(base_run.results), fork_test.counts(fork_run.results)
+    cb, cf = counts(base_run.results), counts(fork_run.results)
     report.summary.append(
-        f"upstream's CPU suite: base {fork_test._fmt_counts(cb)} | fork {fork_test._fmt_counts(cf)}; "
+        f"upstream's CPU suite: base {fmt_counts(cb)} | fork {fmt_counts(cf)}; "
         f"{len(cmp.regressions)} regressed, {len(cmp.lost)} lost"
     )
     report.ok = not report.failures

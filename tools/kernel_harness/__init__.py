@@ -1,0 +1,1 @@
+"""Run and check the series' Triton kernels without vLLM's engine (see README.md)."""

@@ -1,4 +1,4 @@
-"""Idempotent virtual environments for the kernel checks, cached under build/.
+"""The kernel checks' triton-ascend venv under build/, made by the fork's one venv builder (tools/fork/venvs.py).
 
     python -m tools.kernel_harness.envs ascend   # build/ascend-venv: torch CPU + triton-ascend (front end)
 
@@ -12,14 +12,13 @@ Prints the venv's python path on the last line.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import venv
 from pathlib import Path
 
+from tools.fork import venvs
+from tools.fork.base_recipe import TORCH  # the CPU wheel this machine holds locally
+
 ROOT = Path(__file__).resolve().parents[2]
-TORCH = "torch==2.13.0"  # the CPU wheel this machine holds locally
 SPECS = {
     # pybind11 is an undeclared runtime dependency of triton-ascend 3.2.0; its interpreter needs numpy<2.4.
     "ascend": [TORCH, "triton-ascend==3.2.0", "pybind11", "numpy<2.4"],
@@ -32,23 +31,14 @@ def venv_python(name: str) -> Path:
     return ROOT / "build" / DIRS[name] / "bin" / "python"
 
 
+def _say(msg: str) -> None:
+    print(f"kernel_harness: {msg}", file=sys.stderr, flush=True)
+
+
 def ensure(name: str, quiet: bool = False) -> Path:
     """Create (or reuse) the venv `name`; returns its python."""
-    where = ROOT / "build" / DIRS[name]
-    spec = SPECS[name]
-    marker = where / MARKER
-    python = venv_python(name)
-    if python.exists() and marker.exists() and json.loads(marker.read_text()) == spec:
-        return python
-    if not python.exists():
-        if not quiet:
-            print(f"kernel_harness: creating {where}", file=sys.stderr)
-        venv.EnvBuilder(with_pip=True, clear=True).create(where)
-    if not quiet:
-        print(f"kernel_harness: installing {' '.join(spec)} into {where}", file=sys.stderr)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *spec], check=True)
-    marker.write_text(json.dumps(spec))
-    return python
+    say = (lambda msg: None) if quiet else _say
+    return venvs.ensure_spec(ROOT / "build" / DIRS[name], SPECS[name], MARKER, say=say)
 
 
 def main(argv=None) -> int:

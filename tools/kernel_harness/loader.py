@@ -72,7 +72,7 @@ def provide_triton_utils() -> str:
     """Make `from vllm.triton_utils import tl, triton` give the real Triton.
 
     With vLLM installed, its own module is used (CUDA_VISIBLE_DEVICES="" makes
-    it hand out real triton on a machine with no GPU); without vLLM (the H200
+    it hand out real triton on a machine with no GPU); without vLLM (a GPU machine
     image, the triton-ascend env) a two-name shim is registered.
     """
     import triton

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import config, deploy, deploy_check, git, upstream
+from tools.fork import config, deploy_check, git, upstream
+from tools.fork.deploy_expected import expected
 from tools.fork.export import render
 from tools.fork.materialize import create_base
 
@@ -112,7 +113,7 @@ def test_standin_series_on_real_installed_package(tmp_path):
 
 @needs_env
 def test_repository_series_on_real_installed_package():
-    exp = deploy.expected(REAL, REAL.pin.version)
+    exp = expected(REAL, REAL.pin.version)
     if not any(ch.status != "=" for ch in exp.changes):
         pytest.skip("patches/ changes nothing under vllm_ascend/ yet")
     result = deploy_check.check(REAL, PYTHON)

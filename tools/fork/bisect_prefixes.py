@@ -7,8 +7,9 @@ from pathlib import Path
 from tools.fork import git, series, suite, testenv
 from tools.fork.errors import EXIT_FAILED
 from tools.fork.junit import counts, fmt_counts, is_test_file
-from tools.fork.materialize import base_tag, materialize
+from tools.fork.materialize import materialize
 from tools.fork.results import compare
+from tools.fork.series import base_tag
 from tools.fork.steps import KERNEL_TEST_DIR, kernel_op_step
 
 

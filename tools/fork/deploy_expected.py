@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tools.fork import git, overlay, series, upstream
 from tools.fork.config import ForkConfig
-from tools.fork.materialize import base_tag, materialize
+from tools.fork.materialize import materialize
+from tools.fork.series import base_tag
 
 PACKAGE = "vllm_ascend"
 

@@ -23,8 +23,9 @@ from tools.fork import git, suite, testenv
 from tools.fork.errors import ForkError
 from tools.fork.exclusions import EXCLUSIONS_FILE, ignored_paths, is_excluded, load_exclusions, resolve_exclusions
 from tools.fork.junit import counts, fmt_counts, is_test_file, parse_junit
-from tools.fork.materialize import base_tag, materialize
+from tools.fork.materialize import materialize
 from tools.fork.results import compare
+from tools.fork.series import base_tag
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""Run the tests: upstream's CPU unit-test suite on the base and on the fork, side by side,
-then the fork's kernel op tests (Triton interpreter), the triton-ascend compile check, and
-the tooling's own tests.
+"""Run the tests: upstream's CPU unit-test suite on base and fork side by side, then the fork's own checks.
+
+The fork's own checks: its kernel op tests (Triton interpreter), the triton-ascend compile check,
+and the tooling's own tests.
 
 Steps: build/check the test environment (build/testenv, cached); materialize the fork
 (build/fork) and the unpatched base (build/base-VERSION) as `apply` does; run `tests/ut` in

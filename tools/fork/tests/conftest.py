@@ -1,5 +1,7 @@
-"""Fixtures: a small synthetic upstream release (an sdist with a known sha256) and a throwaway
-fork repository pinned to it, so the tooling can be tested fast and without network."""
+"""Fixtures for the tooling's tests: a small synthetic upstream release and a fork pinned to it.
+
+The release is an sdist with a known sha256 and the fork a throwaway repository, so the tooling can
+be tested fast and without network."""
 
 from __future__ import annotations
 

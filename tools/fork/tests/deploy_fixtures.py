@@ -18,8 +18,8 @@ import pytest
 
 from tools.fork import cli, config, git
 from tools.fork.deploy_check import tree_state
-from tools.fork.export import render
 from tools.fork.materialize import create_base
+from tools.fork.series import render
 from tools.fork.tests.conftest import make_sdist, sha256
 from tools.fork.upstream import Source
 

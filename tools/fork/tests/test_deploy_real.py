@@ -19,8 +19,8 @@ import pytest
 
 from tools.fork import config, deploy_check, git, upstream
 from tools.fork.deploy_expected import expected
-from tools.fork.export import render
 from tools.fork.materialize import create_base
+from tools.fork.series import render
 
 pytestmark = pytest.mark.real
 

@@ -1,6 +1,7 @@
-"""Extracting an sdist on every Python: with tarfile's "data" filter where it exists (3.11.4+,
-3.10.12+) and by hand where it does not (Debian bookworm's 3.11.2 is simulated here), refusing
-crafted archives that would write outside the tree."""
+"""Extracting an sdist on every Python refuses crafted archives that would write outside the tree.
+
+It uses tarfile's "data" filter where it exists (3.11.4+, 3.10.12+) and checks by hand where it
+does not (Debian bookworm's 3.11.2 is simulated here)."""
 
 from __future__ import annotations
 

@@ -164,9 +164,12 @@ def _interrupt(
 ) -> subprocess.CompletedProcess:
     marker = tmp_path / "marker"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    # A shell's background job (`cmd &`, nohup) inherits SIGINT ignored, and Python then keeps it
+    # ignored: give the child the default, as an interactive terminal would.
     proc = subprocess.Popen(
         [sys.executable, "-c", _DRIVER, str(marker), target, str(pause), "-C", str(fork.root), *argv],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while not marker.exists():

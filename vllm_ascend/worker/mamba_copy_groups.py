@@ -273,12 +273,18 @@ def _clusters(base: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndar
     return cluster, np.array(starts, dtype=np.int64)
 
 
+_HASH_WEIGHTS: dict[int, np.ndarray] = {}
+
+
 def _unique_rows(mat: np.ndarray) -> tuple[np.ndarray, list[int]]:
     """(inverse, first): ``mat[first[inverse[i]]]`` equals ``mat[i]``; ``first`` lists one row per distinct row."""
     if (mat == mat[0]).all():
         return np.zeros(len(mat), dtype=np.int64), [0]
     # Rows keyed by a hash (int64 arithmetic wraps), then checked exactly.
-    weights = np.random.default_rng(len(mat[0])).integers(1, 2**62, size=mat.shape[1], dtype=np.int64)
+    weights = _HASH_WEIGHTS.get(mat.shape[1])
+    if weights is None:
+        rng = np.random.default_rng(mat.shape[1])
+        weights = _HASH_WEIGHTS[mat.shape[1]] = rng.integers(1, 2**62, size=mat.shape[1], dtype=np.int64)
     rep: dict[int, int] = {}
     first: list[int] = []
     inverse = np.empty(len(mat), dtype=np.int64)
@@ -535,24 +541,27 @@ def run_copies(
         )
     ]
     index, half = (), len(plan.index_sizes) // 2
-    copy = None
+    copy = _copy_index_copy
     if half:
         device = pools[plan.groups[0][0]].device
         copy = op_pair_for(device)
         index = torch.split(_device_index(plan.index_host, device), plan.index_sizes)
+    one_device = plan.one_device
     for pid, row_bytes, unit, part, src_row, dst_row, rows in plan.groups:
-        view = pools[pid].rows(row_bytes, unit)
+        pool = pools[pid]
+        view = pool._rows.get((row_bytes, unit))
+        if view is None:
+            view = pool.rows(row_bytes, unit)
         if part < 0:
             source = view.narrow(0, src_row, rows)
             if abs(src_row - dst_row) < rows:
                 source = source.clone()
             view.narrow(0, dst_row, rows).copy_(source)
-            continue
-        src_index, dst_index = index[part], index[part + half]
-        if not plan.one_device and src_index.device != view.device:
-            src_index, dst_index = src_index.to(view.device), dst_index.to(view.device)
-        # Gather every source row first, then scatter: memmove per pair.
-        copy(view, src_index, dst_index)
+        elif one_device:
+            # Gather every source row first, then scatter: memmove per pair.
+            copy(view, index[part], index[part + half])
+        else:
+            copy(view, index[part].to(view.device), index[part + half].to(view.device))
     for src_view, dst_view in pairs:
         dst_view.copy_(src_view.clone())
 

@@ -29,7 +29,6 @@ def setup_kernels(trees=None, base_tree=None):
 
     from vllm_ascend.ops.triton import batch_memcpy, batch_memmove
     from vllm_ascend.ops.triton.mamba import postprocess
-
     from vllm_ascend.worker import mamba_copy_groups
 
     kernels = {

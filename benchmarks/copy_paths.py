@@ -395,7 +395,9 @@ def host_cost(torch, requests=64, layers=36, reps=3, mcg=None):
         vectorised_collector()
         per_pair_collector()
         same = bool(
-            np.array_equal(rows.src, src_np) and np.array_equal(rows.dst, dst_np) and np.array_equal(rows.sizes, sizes_np)
+            np.array_equal(rows.src, src_np)
+            and np.array_equal(rows.dst, dst_np)
+            and np.array_equal(rows.sizes, sizes_np)
         )
         out_extra = {
             "per_pair_collector": per_pair_collector,

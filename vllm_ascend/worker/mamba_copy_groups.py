@@ -327,8 +327,12 @@ def _hazards_by_cluster(cluster, cluster_base, src, dst, nbytes, inside) -> np.n
     m = int(edges[0]) if edges.size else idx.size
     if m >= 2 and idx.size == m * (edges.size + 1) and (edges == np.arange(1, edges.size + 1) * m).all():
         # Every cluster has m pairs (the usual batch): dedupe their relative pairs as matrix rows.
-        inverse, first = _unique_rows(np.concatenate((rel_s.reshape(-1, m), rel_d.reshape(-1, m), size.reshape(-1, m)), 1))
-        found = np.stack([find_hazards(rel_s[f * m : f * m + m], rel_d[f * m : f * m + m], size[f * m : f * m + m]) for f in first])
+        inverse, first = _unique_rows(
+            np.concatenate((rel_s.reshape(-1, m), rel_d.reshape(-1, m), size.reshape(-1, m)), 1)
+        )
+        found = np.stack(
+            [find_hazards(rel_s[f * m : f * m + m], rel_d[f * m : f * m + m], size[f * m : f * m + m]) for f in first]
+        )
         if found.any():
             hazard[idx] = found[inverse].reshape(-1)
         return hazard
@@ -482,9 +486,7 @@ def plan_copies(
             groups.append((pid, rbytes, u, part, 0, 0, e - c))
     # Source rows of every part, then destination rows: one transfer, one split.
     if part_bounds:
-        index_host = np.concatenate(
-            [src_rows[c:e] for c, e in part_bounds] + [dst_rows[c:e] for c, e in part_bounds]
-        )
+        index_host = np.concatenate([src_rows[c:e] for c, e in part_bounds] + [dst_rows[c:e] for c, e in part_bounds])
     else:
         index_host = empty
     sizes = [e - c for c, e in part_bounds] * 2

@@ -8,7 +8,11 @@ Backends (one batch = every copy of one align-mode step):
   unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
   memmove      batch_memmove (this fork): overlap-safe, tiled, one launch
-  torch_clone  per pair dst.copy_(src.clone()) (the seed fix's default)
+  torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
+               imported from the tree): pairs grouped per pool (all shifts of a pool in one row-level
+               group), one index_select + index_copy_ each, interacting pairs copied per pair in order
+  torch_index_put  the same with index_put_ as the scatter (comparison)
+  torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
 Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
 
@@ -18,13 +22,18 @@ block shifted by 1-2 tokens (state[src, bias:] -> state[dst, :3 - bias]) and its
 moves to a new block. The device-to-device bandwidth of one large torch copy is measured in the
 same run as the ceiling. gbps counts read + write bytes (2 x bytes / time), like d2d_gbps.
 
-The host-side cost of collecting the copy metadata (pointer buffers vs tensor pairs) is measured
-on the CPU with CPU tensors, emulating the collectors' loops (no vLLM needed).
+Every record has `median_ms` (device time: events around one batch, launch gaps included) and
+`host_ms` (median wall time of the call itself on the host, without waiting for the device).
+
+The host-side cost of collecting the copy metadata is measured on the CPU with CPU tensors:
+per-pair loops emulating upstream's collectors (pointer buffers, tensor pairs) and the fork's
+vectorised collector (`mamba_copy_groups.collect_request`, the real code) over the same layout.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -33,11 +42,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from benchmarks import common  # noqa: E402
 
 LAYERS = 36
 CONV_ROWS, CONV_DIM = 3, 8192  # bf16 -> 16 KiB rows
 TEMPORAL_SHAPE = (16, 128, 256)  # fp32 -> 2 MiB
+
+
+@dataclasses.dataclass
+class CopySpec:
+    start_addr: int
+    num_elements: int
+
+
+def conv_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
+    """Model of vLLM's get_conv_copy_spec (SD layout): block block_ids[cur], rows from the offset on."""
+    view = state[block_ids[cur_block_idx], num_accepted_tokens - 1 :]
+    return CopySpec(view.data_ptr(), view.numel())
+
+
+def temporal_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
+    """Model of vLLM's get_temporal_copy_spec: the whole block block_ids[cur + accepted - 1]."""
+    view = state[block_ids[cur_block_idx + num_accepted_tokens - 1]]
+    return CopySpec(view.data_ptr(), view.numel())
 
 
 def left_guard_kernel_factory():
@@ -91,6 +120,27 @@ class Batch:
         self.sizes = torch.tensor(sizes, dtype=torch.int32, device=device)
         self.bytes = sum(sizes)
         self.pairs = len(sizes)
+        self.copy_rows = None
+
+    def grouped_rows(self, mcg):
+        """The same pairs as pool ids + addresses for the grouped copy (built once, like the collector's rows)."""
+        if self.copy_rows is None:
+            pools = mcg.PoolTable()
+            index = {}
+            pool_ids = []
+            for layer, (conv, temporal) in enumerate(self.pools):
+                for state in (conv, temporal):
+                    index[id(state)] = len(pools)
+                    pools.append(mcg.StatePool(state))
+            for layer, (conv, temporal) in enumerate(self.pools):
+                for _ in range(len(self.views) // (2 * len(self.pools))):
+                    pool_ids += [index[id(conv)], index[id(temporal)]]
+            src = [s.data_ptr() for s, _ in self.views]
+            dst = [d.data_ptr() for _, d in self.views]
+            nbytes = [s.numel() * s.element_size() for s, _ in self.views]
+            as_np = [np.array(x, dtype=np.int64) for x in (pool_ids, src, dst, nbytes)]
+            self.copy_rows = (pools, *as_np, np.ones(len(nbytes), dtype=bool))
+        return self.copy_rows
 
     def reference(self):
         return [(s.clone(), d) for s, d in self.views]
@@ -113,6 +163,23 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
 
         return run
 
+    mcg = kernels["copy_groups"]
+
+    def torch_grouped(b):
+        pools, pool_ids, src, dst, nbytes, groupable = b.grouped_rows(mcg)
+        mcg.copy_rows(pools, pool_ids, src, dst, nbytes, groupable)
+
+    def torch_grouped_with(op_pair):
+        def run(b):
+            saved = mcg.DEVICE_OP_PAIR
+            mcg.DEVICE_OP_PAIR = {b.src_ptrs.device.type: op_pair}
+            try:
+                torch_grouped(b)
+            finally:
+                mcg.DEVICE_OP_PAIR = saved
+
+        return run
+
     def torch_clone(b):
         for s, d in b.views:
             d.copy_(s.clone())
@@ -128,6 +195,11 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
         "memmove": (
             memmove_cfg(mm.DEFAULT_BLOCK_SIZE, mm.DEFAULT_TILES),
             {"block": mm.DEFAULT_BLOCK_SIZE, "tiles": mm.DEFAULT_TILES},
+        ),
+        "torch": (torch_grouped, {"path": "mamba_copy_groups.copy_rows", "op_pair": "index_select + index_copy_"}),
+        "torch_index_put": (
+            torch_grouped_with("index_put"),
+            {"path": "mamba_copy_groups.copy_rows", "op_pair": "index_select + index_put_ (comparison)"},
         ),
         "torch_clone": (torch_clone, {}),
         "torch_copy": (torch_copy, {}),
@@ -149,35 +221,24 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
                 memmove_cfg(block, tiles, warps),
                 {"block": block, "tiles": tiles, "num_warps": warps},
             )
-        from benchmarks import memmove_variants
-
-        def pipelined(block, tiles, warps):
-            def run(b):
-                memmove_variants.batch_memmove_pipelined(
-                    b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block, tiles=tiles, num_warps=warps
-                )
-
-            return run
-
-        for block, tiles, warps in ((4096, 16, 4), (4096, 32, 4), (8192, 16, 4), (8192, 32, 4), (16384, 16, 4)):
-            backends[f"pipelined_b{block}_t{tiles}_w{warps}"] = (
-                pipelined(block, tiles, warps),
-                {"block": block, "tiles": tiles, "num_warps": warps, "variant": "pipelined"},
-            )
     return backends
 
 
-def time_batch(torch, device, fn, batch, reps, warmup):
+def time_batch(torch, device, fn, batch, reps, warmup, host_times=None):
+    """Median device ms per call (events; wall time on the CPU). `host_times` collects the call's host ms."""
     for _ in range(warmup):
         fn(batch)
     common.synchronize(device)
     times = []
+    host = [] if host_times is None else host_times
     if device in ("cuda", "npu"):
         mod = getattr(torch, device)
         for _ in range(reps):
             start, end = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn(batch)
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -186,6 +247,7 @@ def time_batch(torch, device, fn, batch, reps, warmup):
             t0 = time.perf_counter()
             fn(batch)
             times.append((time.perf_counter() - t0) * 1e3)
+            host.append(times[-1])
     return statistics.median(times), times
 
 
@@ -222,7 +284,7 @@ def check_backend(torch, fn, batch) -> bool:
     return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for s, d in ref)
 
 
-def host_cost(torch, requests=64, layers=36, reps=3):
+def host_cost(torch, requests=64, layers=36, reps=3, mcg=None):
     """us per pair spent collecting copy metadata on the host, CPU tensors, collector-like loops."""
     import numpy as np
 
@@ -278,7 +340,7 @@ def host_cost(torch, requests=64, layers=36, reps=3):
                     off += 1
         return off
 
-    # Per-layer numpy address arithmetic: vectorized per layer (not what upstream does today).
+    # Per-layer numpy address arithmetic: vectorized per layer (sketch, no copy functions).
     bases = np.array([[p.data_ptr() for p in layer] for layer in pools], dtype=np.int64)
     strides = np.array([[p.stride(0) * p.element_size() for p in layer] for layer in pools], dtype=np.int64)
     conv_row = CONV_DIM * 2
@@ -292,11 +354,63 @@ def host_cost(torch, requests=64, layers=36, reps=3):
         dst_np[:] = dst.reshape(-1)
         return src.size
 
+    # The real collectors over the same layout, with models of vLLM's two copy functions:
+    # upstream's per-pair loop and the fork's vectorised collect_request.
+    out_extra = {}
+    if mcg is not None:
+        mcg.register_copy_func(conv_copy_spec, mcg.OFFSET_KIND)
+        mcg.register_copy_func(temporal_copy_spec, mcg.INDEX_KIND)
+        funcs = (conv_copy_spec, temporal_copy_spec)
+        tables = [[2 * r, 2 * r + 1, 2 * r + 1] for r in range(requests)]
+        biases = [r % 2 for r in range(requests)]
+
+        def per_pair_collector():
+            off = 0
+            for r in range(requests):
+                ids = tables[r]
+                dest = ids[1]
+                for layer in range(layers):
+                    for state, func in zip(pools[layer], funcs):
+                        spec = func(state, ids, 0, biases[r] + 1)
+                        src_np[off] = spec.start_addr
+                        dst_np[off] = state[dest].data_ptr()
+                        sizes_np[off] = spec.num_elements * state.element_size()
+                        off += 1
+            return off
+
+        layout = mcg.CopyLayout({0: [(f"layer.{i}", list(pools[i]), funcs) for i in range(layers)]})
+        rows = mcg.CopyRows(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int32))
+
+        def vectorised_collector():
+            off = 0
+            for r in range(requests):
+                off = mcg.collect_request(layout, 0, tables[r], 0, 1, biases[r], rows, off)
+            return off
+
+        def plan_grouped():
+            pool_ids, src, dst, nbytes, groupable = rows.batch(n)
+            mcg.plan_copies(layout.pools, pool_ids, src, dst, nbytes, groupable)
+            return n
+
+        vectorised_collector()
+        per_pair_collector()
+        same = bool(
+            np.array_equal(rows.src, src_np)
+            and np.array_equal(rows.dst, dst_np)
+            and np.array_equal(rows.sizes, sizes_np)
+        )
+        out_extra = {
+            "per_pair_collector": per_pair_collector,
+            "vectorised_collector": vectorised_collector,
+            "plan_grouped": plan_grouped,
+        }
+
     out = {}
     for name, fn in (
         ("pointer_buffers", pointer_path),
         ("tensor_pairs", tensor_pair_path),
         ("numpy_vectorized", numpy_path),
+        *out_extra.items(),
     ):
         best = float("inf")
         for _ in range(reps):
@@ -304,6 +418,8 @@ def host_cost(torch, requests=64, layers=36, reps=3):
             count = fn()
             best = min(best, time.perf_counter() - t0)
         out[name] = {"us_per_pair": best / count * 1e6, "ms_per_step": best * 1e3, "pairs": count}
+        if name == "vectorised_collector":
+            out[name]["equal_to_per_pair_collector"] = same
     return out
 
 
@@ -330,7 +446,9 @@ def run(args):
         batch = Batch(torch, device, requests, layers, conv_rows, conv_dim, temporal_shape)
         for name, (fn, cfg) in backends.items():
             ok = check_backend(torch, fn, batch)
-            median_ms, times = time_batch(torch, device, fn, batch, reps, 2)
+            host_times = []
+            median_ms, times = time_batch(torch, device, fn, batch, reps, 2, host_times)
+            host_ms = statistics.median(host_times)
             gbps = 2 * batch.bytes / (median_ms * 1e-3) / 1e9
             b2b = {}
             if device != "cpu" and not name.startswith("torch_"):
@@ -343,6 +461,7 @@ def run(args):
                 "pairs": batch.pairs,
                 "bytes": batch.bytes,
                 "median_ms": median_ms,
+                "host_ms": host_ms,
                 "min_ms": min(times),
                 "gbps": gbps,
                 "d2d_gbps": d2d_gbps,
@@ -356,7 +475,7 @@ def run(args):
             records.append(rec)
             print(
                 f"{name:>20} req={requests:>3} pairs={batch.pairs:>5} {batch.bytes / 1e6:8.1f} MB "
-                f"{median_ms:9.3f} ms {gbps:8.1f} GB/s {rec['pct_of_d2d']:5.1f}% d2d correct={ok}"
+                f"{median_ms:9.3f} ms (host {host_ms:7.3f}) {gbps:8.1f} GB/s {rec['pct_of_d2d']:5.1f}% d2d correct={ok}"
                 + (f" | back-to-back {b2b['median_ms_b2b']:.3f} ms {b2b['pct_of_d2d_b2b']:5.1f}% d2d" if b2b else ""),
                 flush=True,
             )
@@ -364,7 +483,7 @@ def run(args):
         if device == "cuda":
             torch.cuda.empty_cache()
     if not args.no_host:
-        host = host_cost(torch, requests=2 if smoke else 64, layers=layers)
+        host = host_cost(torch, requests=2 if smoke else 64, layers=layers, mcg=kernels["copy_groups"])
         for name, vals in host.items():
             records.append(
                 {
@@ -394,7 +513,7 @@ def plot(records, png):
     if not dev:
         return
     fig, ax = plt.subplots(figsize=(8, 5))
-    names = ["unguarded", "unguarded_b1024", "left_guard", "memmove", "torch_clone", "torch_copy"]
+    names = ["unguarded", "unguarded_b1024", "left_guard", "memmove", "torch", "torch_clone", "torch_copy"]
     for name in names:
         rows = sorted((r for r in dev if r["backend"] == name), key=lambda r: r["requests"])
         if rows:
@@ -432,12 +551,12 @@ def main(argv=None):
         plot(records, args.png or str(Path(args.plot_only).with_suffix(".png")))
         return 0
     if args.host_only:
-        common.setup_kernels(args.tree)
+        kernels = common.setup_kernels(args.tree)
         import torch
 
         meta = {"device": "host cpu", "versions": common.versions(), "date": common.now()}
         records = []
-        for name, vals in host_cost(torch, requests=64, layers=LAYERS, reps=5).items():
+        for name, vals in host_cost(torch, requests=64, layers=LAYERS, reps=5, mcg=kernels["copy_groups"]).items():
             records.append({"backend": f"host_{name}", "kind": "host", **vals, **meta})
             print(f"host {name:>18}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step")
     else:

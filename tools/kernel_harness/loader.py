@@ -4,7 +4,8 @@
 machinery. The kernel modules themselves only need `vllm.triton_utils`
 (`tl`, `triton`) and torch. `register_tree()` puts light package objects for
 `vllm_ascend`, `vllm_ascend.ops`, `vllm_ascend.ops.triton` and
-`vllm_ascend.ops.triton.mamba` into `sys.modules`, whose `__path__` lists the
+`vllm_ascend.ops.triton.mamba` and `vllm_ascend.worker` (for the torch-only
+copy module `mamba_copy_groups`) into `sys.modules`, whose `__path__` lists the
 real directories of the tree(s) under test, so `import
 vllm_ascend.ops.triton.batch_memmove` loads just that file.
 
@@ -20,7 +21,13 @@ import sys
 import types
 from pathlib import Path
 
-PACKAGES = ("vllm_ascend", "vllm_ascend.ops", "vllm_ascend.ops.triton", "vllm_ascend.ops.triton.mamba")
+PACKAGES = (
+    "vllm_ascend",
+    "vllm_ascend.ops",
+    "vllm_ascend.ops.triton",
+    "vllm_ascend.ops.triton.mamba",
+    "vllm_ascend.worker",
+)
 TREE_ENV = "KERNEL_TREE"
 
 

@@ -1,0 +1,460 @@
+#
+# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
+# This file is a part of the vllm-ascend project.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+#
+"""Grouped copies and vectorised collection against a numpy memmove oracle.
+
+State pools are carved out of one byte buffer filled with random bytes, with
+page padding between blocks and conv and temporal states sharing pages, the
+way block-major KV-cache pages bind them. Every test compares the whole
+buffer byte for byte with the oracle: per pair, in pair order,
+``buf[dst:dst + n] = buf[src:src + n].copy()``.
+
+Set ``VLLM_ASCEND_MAMBA_COPY_GROUPS_UNSAFE=1`` to run the copies with the
+interaction check switched off: the tests with interacting pairs then fail.
+Runs on CPU by default; ``MAMBA_COPY_TEST_DEVICE=cuda`` (or npu) runs the
+copies on a device. Hypothesis: 60 derandomized examples a property, or
+``VLLM_ASCEND_FUZZ_PROFILE=long`` for 1000 random ones.
+"""
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_ascend.worker import mamba_copy_groups as mcg
+
+try:  # vLLM's own copy functions when vLLM is installed (tests/ut)
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
+except ImportError:  # a model of them elsewhere (device machines without vLLM)
+
+    @dataclass
+    class _Spec:
+        start_addr: int
+        num_elements: int
+
+    def get_conv_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
+        src = state[block_ids[cur_block_idx], num_accepted_tokens - 1 :]
+        return _Spec(src.data_ptr(), src.numel())
+
+    def get_temporal_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
+        src = state[block_ids[cur_block_idx + num_accepted_tokens - 1]]
+        return _Spec(src.data_ptr(), src.numel())
+
+    mcg.register_copy_func(get_conv_copy_spec, mcg.OFFSET_KIND)
+    mcg.register_copy_func(get_temporal_copy_spec, mcg.INDEX_KIND)
+
+
+CHECK_HAZARDS = os.environ.get("VLLM_ASCEND_MAMBA_COPY_GROUPS_UNSAFE") != "1"
+DEVICE = os.environ.get("MAMBA_COPY_TEST_DEVICE", "cpu")
+LONG = os.environ.get("VLLM_ASCEND_FUZZ_PROFILE") == "long"
+FUZZ = settings(
+    max_examples=1000 if LONG else 60,
+    derandomize=not LONG,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8)
+
+
+def unrecognised_conv_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
+    """Same addresses as the conv spec, but a function the grouping does not know."""
+    return get_conv_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens)
+
+
+def lying_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
+    """Registered as the offset kind but reads the last block id: the probes must reject it."""
+    return get_conv_copy_spec(state, [block_ids[-1]], 0, num_accepted_tokens)
+
+
+mcg.register_copy_func(lying_spec, mcg.OFFSET_KIND)
+
+
+class Arena:
+    """One random byte buffer and the state pools carved out of it."""
+
+    def __init__(self, rng, layers, num_blocks, shared_pages=True):
+        self.layers = []  # per layer: (name, [states], [funcs])
+        specs = []
+        for li in range(layers):
+            width = int(rng.integers(2, 5))
+            dim = int(rng.integers(1, 9))
+            conv_dtype = DTYPES[int(rng.integers(len(DTYPES)))]
+            temp_dtype = DTYPES[int(rng.integers(len(DTYPES)))]
+            temp_shape = (int(rng.integers(1, 3)), int(rng.integers(1, 5)))
+            specs.append((f"layer.{li}", width, dim, conv_dtype, temp_dtype, temp_shape))
+        # Lay out every layer's pages: conv state, then temporal state, then padding.
+        offset = 0
+        plan = []
+        for name, width, dim, conv_dtype, temp_dtype, temp_shape in specs:
+            conv_bytes = width * dim * _esize(conv_dtype)
+            temp_off = _align(conv_bytes, _esize(temp_dtype))
+            temp_bytes = temp_shape[0] * temp_shape[1] * _esize(temp_dtype)
+            page = _align(temp_off + temp_bytes + int(rng.integers(0, 3)) * 4, 4)
+            if not shared_pages:
+                temp_off = None
+            plan.append((offset, page, temp_off))
+            offset = _align(offset + page * num_blocks + (0 if shared_pages else temp_bytes * num_blocks + 4), 8)
+        self.nbytes = offset + 64
+        self.buf = torch.from_numpy(rng.integers(0, 256, self.nbytes, dtype=np.uint8)).to(DEVICE)
+        for (name, width, dim, conv_dtype, temp_dtype, temp_shape), (off, page, temp_off) in zip(specs, plan):
+            conv = self._carve(off, conv_dtype, (num_blocks, width, dim), page)
+            if temp_off is None:
+                t_start = off + page * num_blocks
+                t_page = temp_shape[0] * temp_shape[1] * _esize(temp_dtype)
+                temporal = self._carve(_align(t_start, 4), temp_dtype, (num_blocks, *temp_shape), t_page)
+            else:
+                temporal = self._carve(off + temp_off, temp_dtype, (num_blocks, *temp_shape), page)
+            self.layers.append((name, [conv, temporal], [get_conv_copy_spec, get_temporal_copy_spec]))
+
+    def _carve(self, byte_off, dtype, shape, page_bytes):
+        es = _esize(dtype)
+        assert byte_off % es == 0 and page_bytes % es == 0
+        flat = self.buf.view(dtype) if es == 1 else self.buf[: self.nbytes - self.nbytes % es].view(dtype)
+        inner = shape[1:]
+        strides = [page_bytes // es]
+        acc = 1
+        inner_strides = []
+        for d in reversed(inner):
+            inner_strides.append(acc)
+            acc *= d
+        return flat.as_strided(shape, tuple(strides + list(reversed(inner_strides))), byte_off // es)
+
+    def snapshot(self):
+        return self.buf.cpu().numpy().copy()
+
+    def addr0(self):
+        return self.buf.data_ptr()
+
+
+def _esize(dtype):
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _align(x, a):
+    return (x + a - 1) // a * a
+
+
+def oracle(snapshot, addr0, src, dst, nbytes):
+    out = snapshot.copy()
+    for s, d, n in zip(src.tolist(), dst.tolist(), nbytes.tolist()):
+        s, d = s - addr0, d - addr0
+        out[d : d + n] = out[s : s + n].copy()
+    return out
+
+
+def reference_collect(layers, block_ids, src_idx, dest_idx, bias):
+    """The per-pair collector's loop: one call of the copy function per layer and state."""
+    src, dst, sizes = [], [], []
+    dest_block_id = block_ids[dest_idx]
+    for _, states, funcs in layers:
+        for state, func in zip(states, funcs):
+            spec = func(state, block_ids, src_idx, bias + 1)
+            src.append(spec.start_addr)
+            dst.append(state[dest_block_id].data_ptr())
+            sizes.append(spec.num_elements * state.element_size())
+    return np.array(src, np.int64), np.array(dst, np.int64), np.array(sizes, np.int64)
+
+
+def make_rows(cap):
+    return mcg.CopyRows(np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int32))
+
+
+def collect_all(layout, requests, cap):
+    rows = make_rows(cap)
+    offset = 0
+    for block_ids, src_idx, dest_idx, bias in requests:
+        offset = mcg.collect_request(layout, 0, block_ids, src_idx, dest_idx, bias, rows, offset)
+    return rows, offset
+
+
+def assert_bytes_equal(got, want):
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[:8].tolist()}"
+
+
+def run_and_check(arena, layout, rows, n, check_hazards=CHECK_HAZARDS):
+    pool_ids, src, dst, nbytes, groupable = rows.batch(n)
+    before = arena.snapshot()
+    want = oracle(before, arena.addr0(), src, dst, nbytes)
+    plan = mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=check_hazards)
+    assert_bytes_equal(arena.snapshot(), want)
+    return plan
+
+
+# --------------------------------------------------------------------------
+# Deterministic cases
+# --------------------------------------------------------------------------
+
+
+def _single_layer(num_blocks=6, seed=0):
+    rng = np.random.default_rng(seed)
+    arena = Arena(rng, 1, num_blocks)
+    layout = mcg.CopyLayout({0: arena.layers})
+    return arena, layout
+
+
+@pytest.fixture(params=sorted(mcg.OP_PAIRS))
+def op_pair(request, monkeypatch):
+    """Every gather/scatter op pair: index_select + index_put_, and the NPU's index_select + index_copy_."""
+    monkeypatch.setattr(mcg, "DEVICE_OP_PAIR", {torch.device(DEVICE).type: request.param})
+    return request.param
+
+
+def test_same_block_conv_shift_is_a_memmove(op_pair):
+    arena, layout = _single_layer()
+    rows, n = collect_all(layout, [([3, 3, 3], 0, 1, 1), ([4, 2, 2], 1, 2, 0)], 8)
+    plan = run_and_check(arena, layout, rows, n)
+    assert plan.grouped_pairs == n and plan.ordered.size == 0
+
+
+def test_groups_per_pool_and_shift(op_pair):
+    rng = np.random.default_rng(1)
+    arena = Arena(rng, 3, 20)
+    layout = mcg.CopyLayout({0: arena.layers})
+    reqs = [([2 * r, 2 * r + 1], 0, 1, 0) for r in range(4)] + [
+        ([10 + 2 * r, 11 + 2 * r, 19], 0, 1, 1) for r in range(3)
+    ]
+    rows, n = collect_all(layout, reqs, 64)
+    plan = run_and_check(arena, layout, rows, n)
+    assert plan.ordered.size == 0
+    # One group per pool: the conv shifts of a pool share its row size.
+    assert len(plan.groups) == 6
+    assert plan.grouped_pairs == n
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        # duplicate destination: the later pair wins
+        [([0, 1], 0, 1, 0), ([2, 1], 0, 1, 0)],
+        # chain: a -> b then b -> c must move a's state to c
+        [([0, 1], 0, 1, 0), ([1, 2], 0, 1, 0)],
+        # the reverse chain: b -> c first reads b before a -> b writes it
+        [([1, 2], 0, 1, 0), ([0, 1], 0, 1, 0)],
+        # a pair's destination is another shift-group's source (overlap across groups)
+        [([0, 1], 0, 1, 1), ([1, 2], 0, 1, 0)],
+        # swap
+        [([0, 1], 0, 1, 0), ([1, 0], 0, 1, 0)],
+    ],
+)
+def test_interacting_pairs_fall_back_to_ordered_copies(requests):
+    arena, layout = _single_layer()
+    rows, n = collect_all(layout, requests, 8)
+    plan = run_and_check(arena, layout, rows, n)
+    if CHECK_HAZARDS:
+        assert plan.ordered.size > 0
+
+
+def test_unsafe_grouping_is_detected():
+    """Positive control: with the interaction check off, the oracle comparison fails."""
+    arena, layout = _single_layer()
+    rows, n = collect_all(layout, [([0, 1], 0, 1, 0), ([1, 2], 0, 1, 0)], 8)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        run_and_check(arena, layout, rows, n, check_hazards=False)
+
+
+def test_shared_source_stays_grouped():
+    arena, layout = _single_layer(num_blocks=8)
+    rows, n = collect_all(layout, [([5, 1], 0, 1, 0), ([5, 2], 0, 1, 0), ([5, 3], 0, 1, 0)], 8)
+    plan = run_and_check(arena, layout, rows, n)
+    assert plan.ordered.size == 0
+
+
+def test_unrecognised_copy_functions_are_copied_per_pair():
+    rng = np.random.default_rng(3)
+    arena = Arena(rng, 2, 8)
+    name, states, _ = arena.layers[1]
+    arena.layers[1] = (name, states, [unrecognised_conv_spec, lying_spec])
+    layout = mcg.CopyLayout({0: arena.layers})
+    reqs = [([0, 1, 2], 0, 1, 1), ([3, 4, 6], 1, 2, 0)]
+    rows, n = collect_all(layout, reqs, 16)
+    ref = [reference_collect(arena.layers, *r) for r in reqs]
+    np.testing.assert_array_equal(rows.src[:n], np.concatenate([r[0] for r in ref]))
+    np.testing.assert_array_equal(rows.sizes[:n], np.concatenate([r[2] for r in ref]))
+    assert not rows.groupable[2:4].any() and rows.groupable[:2].all()
+    plan = run_and_check(arena, layout, rows, n)
+    assert sorted(plan.ordered.tolist()) == [i for i in (2, 3, 6, 7) if rows.sizes[i] > 0]
+
+
+def test_invalid_pair_raises_before_any_copy():
+    arena, layout = _single_layer()
+    rows, n = collect_all(layout, [([0, 1], 0, 1, 0), ([2, 3], 0, 1, 0)], 8)
+    rows.src[3] = layout.pools[rows.pool[3]].base - 8  # before the pool
+    before = arena.snapshot()
+    pool_ids, src, dst, nbytes, groupable = rows.batch(n)
+    with pytest.raises(RuntimeError, match="Invalid Mamba state copy pointer"):
+        mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable)
+    assert_bytes_equal(arena.snapshot(), before)
+
+
+def test_out_of_range_block_id_raises_like_torch_indexing():
+    arena, layout = _single_layer(num_blocks=4)
+    rows = make_rows(8)
+    with pytest.raises(IndexError):
+        mcg.collect_request(layout, 0, [0, 9], 0, 1, 0, rows, 0)
+    # negative ids wrap like state[-1]
+    mcg.collect_request(layout, 0, [0, -1], 0, 1, 0, rows, 0)
+    src, dst, sizes = reference_collect(arena.layers, [0, -1], 0, 1, 0)
+    np.testing.assert_array_equal(rows.dst[:2], dst)
+
+
+def test_layer_major_matches_the_per_layer_collector_order():
+    rng = np.random.default_rng(5)
+    arena = Arena(rng, 3, 10)
+    layout = mcg.CopyLayout({0: arena.layers})
+    rows, n = collect_all(layout, [([0, 1], 0, 1, 0), ([2, 3], 0, 1, 0)], 16)
+    order, slices = mcg.layer_major(rows, n, layout.layer_names)
+    assert list(slices) == ["layer.0", "layer.1", "layer.2"]
+    # per layer, the pairs in collection order: request 0's two states, then request 1's
+    assert order.tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
+    assert slices["layer.1"] == (4, 8)
+
+
+# --------------------------------------------------------------------------
+# Property tests
+# --------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw):
+    seed = draw(st.integers(0, 2**32 - 1))
+    layers = draw(st.integers(1, 4))
+    num_blocks = draw(st.integers(2, 9))
+    shared = draw(st.booleans())
+    n_req = draw(st.integers(1, 6))
+    # Few distinct blocks: duplicate destinations, chains and cross-group overlaps are common.
+    blocks = st.integers(0, num_blocks - 1)
+    reqs = []
+    for _ in range(n_req):
+        table = draw(st.lists(blocks, min_size=2, max_size=5))
+        bias = draw(st.integers(0, len(table) - 2))
+        src_idx = draw(st.integers(0, len(table) - 1 - bias))
+        dest_idx = draw(st.integers(0, len(table) - 1))
+        reqs.append((table, src_idx, dest_idx, bias))
+    return seed, layers, num_blocks, shared, reqs
+
+
+@FUZZ
+@given(batches())
+def test_vectorised_collection_equals_per_pair_collector(batch):
+    seed, layers, num_blocks, shared, reqs = batch
+    arena = Arena(np.random.default_rng(seed), layers, num_blocks, shared)
+    layout = mcg.CopyLayout({0: arena.layers})
+    rows, n = collect_all(layout, reqs, 2 * layers * len(reqs))
+    ref = [reference_collect(arena.layers, *r) for r in reqs]
+    np.testing.assert_array_equal(rows.src[:n], np.concatenate([r[0] for r in ref]))
+    np.testing.assert_array_equal(rows.dst[:n], np.concatenate([r[1] for r in ref]))
+    np.testing.assert_array_equal(rows.sizes[:n], np.concatenate([r[2] for r in ref]))
+
+
+@FUZZ
+@given(batches())
+def test_grouped_copy_equals_memmove_oracle(batch):
+    seed, layers, num_blocks, shared, reqs = batch
+    arena = Arena(np.random.default_rng(seed), layers, num_blocks, shared)
+    layout = mcg.CopyLayout({0: arena.layers})
+    rows, n = collect_all(layout, reqs, 2 * layers * len(reqs))
+    run_and_check(arena, layout, rows, n)
+
+
+@st.composite
+def raw_pairs(draw):
+    """Arbitrary byte copies inside the pools: any block, offset and size, crossing rows too."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    num_blocks = draw(st.integers(1, 6))
+    layers = draw(st.integers(1, 3))
+    n = draw(st.integers(1, 24))
+    picks = draw(
+        st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6)), min_size=n, max_size=n)
+    )
+    return seed, num_blocks, layers, picks
+
+
+@FUZZ
+@given(raw_pairs())
+def test_planner_on_raw_pairs_equals_memmove_oracle(case):
+    seed, num_blocks, layers, picks = case
+    rng = np.random.default_rng(seed)
+    arena = Arena(rng, layers, num_blocks)
+    layout = mcg.CopyLayout({0: arena.layers})
+    pools = layout.pools
+    pool_ids, src, dst, nbytes = [], [], [], []
+    for a, b, c in picks:
+        pid = a % len(pools)
+        pool = pools[pid]
+        es = pool.esize
+        span = pool.nbytes // es
+        count = c % (span + 1)
+        # offsets in whole elements, mostly block-aligned so that groups form
+        if a % 3:
+            s_el = (b % pool.num_blocks) * (pool.stride // es)
+            d_el = ((b // 7) % pool.num_blocks) * (pool.stride // es) + (a // 5) % 2
+        else:
+            s_el, d_el = b % (span + 1), (b // 3) % (span + 1)
+        count = min(count % (pool.stride // es + 2), span - s_el, span - d_el)
+        pool_ids.append(pid)
+        src.append(pool.base + s_el * es)
+        dst.append(pool.base + d_el * es)
+        nbytes.append(max(count, 0) * es)
+    pool_ids, src, dst, nbytes = (np.array(x, np.int64) for x in (pool_ids, src, dst, nbytes))
+    before = arena.snapshot()
+    want = oracle(before, arena.addr0(), src, dst, nbytes)
+    mcg.copy_rows(pools, pool_ids, src, dst, nbytes, check_hazards=CHECK_HAZARDS)
+    assert_bytes_equal(arena.snapshot(), want)
+
+
+@st.composite
+def multi_arena_batches(draw):
+    """Layers in separate allocations (one cluster each), often with the same relative layout."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    arenas = draw(st.integers(2, 4))
+    same_layout = draw(st.booleans())
+    num_blocks = draw(st.integers(2, 7))
+    shared = draw(st.booleans())
+    blocks = st.integers(0, num_blocks - 1)
+    reqs = []
+    for _ in range(draw(st.integers(1, 5))):
+        table = draw(st.lists(blocks, min_size=2, max_size=4))
+        bias = draw(st.integers(0, len(table) - 2))
+        src_idx = draw(st.integers(0, len(table) - 1 - bias))
+        dest_idx = draw(st.integers(0, len(table) - 1))
+        reqs.append((table, src_idx, dest_idx, bias))
+    return seed, arenas, same_layout, num_blocks, shared, reqs
+
+
+@FUZZ
+@given(multi_arena_batches())
+def test_clusters_checked_once_per_relative_layout_equal_memmove_oracle(case):
+    """Pools in separate allocations: hazards are found per cluster (and once per relative layout)."""
+    seed, count, same_layout, num_blocks, shared, reqs = case
+    arenas = [
+        Arena(np.random.default_rng(seed if same_layout else seed + i), 1, num_blocks, shared) for i in range(count)
+    ]
+    layout = mcg.CopyLayout({0: [layer for arena in arenas for layer in arena.layers]})
+    rows, n = collect_all(layout, reqs, 2 * count * len(reqs))
+    pool_ids, src, dst, nbytes, groupable = rows.batch(n)
+    wants = []
+    for arena in arenas:
+        lo, hi = arena.addr0(), arena.addr0() + arena.nbytes
+        mine = (dst >= lo) & (dst < hi)
+        wants.append(oracle(arena.snapshot(), lo, src[mine], dst[mine], nbytes[mine]))
+    mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=CHECK_HAZARDS)
+    for arena, want in zip(arenas, wants):
+        assert_bytes_equal(arena.snapshot(), want)

@@ -133,6 +133,12 @@ class StatePool:
         self.stride = int(state.stride(0)) * self.esize if state.dim() >= 1 else 0
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
 
+    def whole_storage(self) -> StatePool:
+        """A pool over this pool's whole untyped storage, as bytes (the target of a per-storage group)."""
+        storage = self.state.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return StatePool(flat.set_(storage, 0, (storage.nbytes(),), (1,)))
+
     def max_unit(self) -> int:
         """The widest integer unit (bytes) the pool's base address allows."""
         unit = _MAX_UNIT.get(self.device.type, 16)
@@ -167,10 +173,20 @@ class StatePool:
 class CopyPlan:
     """Groups (one gather + scatter each, or one direct copy) and the pairs copied one by one."""
 
-    __slots__ = ("groups", "ordered", "num_pairs", "grouped_pairs", "index_host", "index_sizes", "one_device")
+    __slots__ = (
+        "groups",
+        "ordered",
+        "num_pairs",
+        "grouped_pairs",
+        "index_host",
+        "index_sizes",
+        "targets",
+        "one_device",
+    )
 
-    def __init__(self, groups, ordered, num_pairs, grouped_pairs, index_host, index_sizes, one_device=True):
-        # groups: (pool_id, row_bytes, unit, part, src_row, dst_row, rows): ``part`` >= 0 is
+    def __init__(self, groups, ordered, num_pairs, grouped_pairs, index_host, index_sizes, targets, one_device=True):
+        # groups: (target, row_bytes, unit, part, src_row, dst_row, rows): ``target`` indexes
+        # ``targets`` (the pools, then whole storages shared by pools); ``part`` >= 0 is
         # the position of the group's source rows in the split index (its destination rows
         # are ``len(index_sizes) // 2`` parts later); ``part`` < 0 is a single pair: rows
         # [src_row, src_row + rows) ->
@@ -181,6 +197,7 @@ class CopyPlan:
         self.grouped_pairs = grouped_pairs
         self.index_host = index_host
         self.index_sizes = index_sizes
+        self.targets = targets
         self.one_device = one_device
 
 
@@ -243,13 +260,28 @@ class PoolTable(list):
 
 
 def _pool_arrays(pools: Sequence[StatePool]):
+    """Per-pool arrays, and the copy targets: the pools, then one whole-storage pool per shared storage.
+
+    ``storage[i]`` is the target id of pool ``i``'s storage when other pools
+    (of the same device) share it, else -1.
+    """
     base = np.array([p.base for p in pools], dtype=np.int64)
     nbytes = np.array([p.nbytes for p in pools], dtype=np.int64)
     esize = np.array([p.esize for p in pools], dtype=np.int64)
-    max_unit = np.array([p.max_unit() for p in pools], dtype=np.int64)
     one_device = len({str(p.device) for p in pools}) <= 1
     cluster, cluster_base = _clusters(base, nbytes)
-    return base, nbytes, esize, max_unit, one_device, cluster, cluster_base
+    by_storage: dict[tuple, list[int]] = {}
+    for i, p in enumerate(pools):
+        by_storage.setdefault((str(p.device), p.state.untyped_storage().data_ptr()), []).append(i)
+    targets = list(pools)
+    storage = np.full(len(pools), -1, dtype=np.int64)
+    for members in by_storage.values():
+        if len(members) > 1:
+            storage[members] = len(targets)
+            targets.append(pools[members[0]].whole_storage())
+    t_base = np.array([t.base for t in targets], dtype=np.int64)
+    max_unit = np.array([t.max_unit() for t in targets], dtype=np.int64)
+    return base, nbytes, esize, one_device, cluster, cluster_base, storage, targets, t_base, max_unit
 
 
 def _clusters(base: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -354,6 +386,8 @@ def _hazards_by_cluster(cluster, cluster_base, src, dst, nbytes, inside) -> np.n
 
 # A pair of a group is copied as rows of the group's row size: at most this many rows a pair.
 MAX_ROWS_PER_PAIR = 256
+# Pools sharing a storage are copied as one group when their common row is at least this long.
+MIN_STORAGE_ROW_BYTES = 256
 
 
 def plan_copies(
@@ -367,7 +401,7 @@ def plan_copies(
     check_hazards: bool = True,
     max_group_bytes: int = MAX_GROUP_BYTES,
 ) -> CopyPlan:
-    """Split a batch of byte copies into one group per pool and ordered per-pair copies.
+    """Split a batch of byte copies into one group per storage (or pool) and ordered per-pair copies.
 
     ``pool_ids[i]`` names the pool (index into ``pools``) pair ``i`` lives in;
     ``src``/``dst`` are absolute addresses, ``nbytes`` sizes. ``groupable``
@@ -375,9 +409,13 @@ def plan_copies(
     skips the interaction check: only for tests that prove it is needed.
 
     A group's pairs are copied as rows of ``row_bytes``, the greatest common
-    divisor of their offsets from the pool's base and their sizes, so the
-    conv pairs of every shift and the temporal pairs of a pool each form one
-    group (and pairs that cross block boundaries are fine).
+    divisor of their offsets from the group's base and their sizes, so the
+    conv pairs of every shift and the temporal pairs form one group (and
+    pairs that cross block boundaries are fine). Pools that share a storage
+    (conv and temporal views of one raw KV-cache tensor) form one group based
+    at the storage's start, unless its row would be shorter than
+    ``MIN_STORAGE_ROW_BYTES`` or a pair longer than ``MAX_ROWS_PER_PAIR`` rows:
+    then each of its pools is a group.
     """
     n = len(nbytes)
     pool_ids = np.asarray(pool_ids, dtype=np.int64)
@@ -386,7 +424,7 @@ def plan_copies(
     nbytes = np.asarray(nbytes, dtype=np.int64)
     live = nbytes > 0
     arrays = pools.arrays() if isinstance(pools, PoolTable) else _pool_arrays(pools)
-    base, pool_bytes, esize, max_unit, one_device, cluster, cluster_base = arrays
+    base, pool_bytes, esize, one_device, cluster, cluster_base, storage, targets, t_base, max_unit = arrays
     p_base, p_bytes, p_esize = base[pool_ids], pool_bytes[pool_ids], esize[pool_ids]
     rel_s, rel_d = src - p_base, dst - p_base
     # The per-pair view's checks: inside the pool's storage, whole elements
@@ -402,12 +440,27 @@ def plan_copies(
     groups: list[tuple[int, int, int, int, int, int, int]] = []
     empty = np.zeros(0, dtype=np.int64)
     if sel.size == 0:
-        return CopyPlan(groups, np.flatnonzero(live), n, 0, empty, [])
-    keys = pool_ids[sel]
-    if len(pools) < 2**16:
+        return CopyPlan(groups, np.flatnonzero(live), n, 0, empty, [], targets)
+    # Group key (a target): the pair's shared storage where its row is long enough, else its pool.
+    target = pool_ids[sel]
+    shared = storage[target]
+    if (shared >= 0).any():
+        on = shared >= 0
+        t, s_n = shared[on], nbytes[sel][on]
+        mixed = np.zeros(len(targets), dtype=np.int64)
+        np.bitwise_or.at(mixed, t, (src[sel][on] - t_base[t]) | (dst[sel][on] - t_base[t]) | s_n)
+        longest = np.zeros(len(targets), dtype=np.int64)
+        np.maximum.at(longest, t, s_n)
+        row = mixed & -mixed
+        good = (row >= MIN_STORAGE_ROW_BYTES) & (longest <= row * MAX_ROWS_PER_PAIR)
+        target[on] = np.where(good[t], t, target[on])
+    g_base = t_base[target]
+    keys = target
+    if len(targets) < 2**16:
         keys = keys.astype(np.uint16)  # a stable sort of 16-bit keys is a radix sort
-    sel = sel[np.argsort(keys, kind="stable")]
-    g_pool, g_s, g_d, g_n = pool_ids[sel], rel_s[sel], rel_d[sel], nbytes[sel]
+    order = np.argsort(keys, kind="stable")
+    sel, g_pool = sel[order], target[order]
+    g_s, g_d, g_n = src[sel] - g_base[order], dst[sel] - g_base[order], nbytes[sel]
     starts = np.concatenate(([0], np.flatnonzero(g_pool[1:] != g_pool[:-1]) + 1))
     counts = np.diff(np.concatenate((starts, [sel.size])))
     # Row size: the largest power of two dividing every offset and size of the pool's pairs.
@@ -427,7 +480,7 @@ def plan_copies(
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     ordered = np.flatnonzero(live & ~ok)
     if sel.size == 0:
-        return CopyPlan(groups, ordered, n, 0, empty, [])
+        return CopyPlan(groups, ordered, n, 0, empty, [], targets)
     src_row, dst_row = g_s >> row_shift, g_d >> row_shift
     # Expand every pair into its rows (pair order kept, rows in address order).
     ends = np.cumsum(pair_rows)
@@ -490,7 +543,7 @@ def plan_copies(
     else:
         index_host = empty
     sizes = [e - c for c, e in part_bounds] * 2
-    return CopyPlan(groups, ordered, n, int(sel.size), index_host, sizes, one_device)
+    return CopyPlan(groups, ordered, n, int(sel.size), index_host, sizes, targets, one_device)
 
 
 def _device_index(index_host: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -544,13 +597,14 @@ def run_copies(
     ]
     index, half = (), len(plan.index_sizes) // 2
     copy = _copy_index_copy
+    targets = plan.targets
     if half:
-        device = pools[plan.groups[0][0]].device
+        device = targets[plan.groups[0][0]].device
         copy = op_pair_for(device)
         index = torch.split(_device_index(plan.index_host, device), plan.index_sizes)
     one_device = plan.one_device
     for pid, row_bytes, unit, part, src_row, dst_row, rows in plan.groups:
-        pool = pools[pid]
+        pool = targets[pid]
         view = pool._rows.get((row_bytes, unit))
         if view is None:
             view = pool.rows(row_bytes, unit)

@@ -41,19 +41,23 @@ Copy functions not recognised (or whose probe disagrees, or raises) are called
 per pair as before, and their pairs are copied per pair.
 
 **Grouped copies** (``plan_copies``, ``run_copies``, ``copy_rows``). The pairs of
-one state pool form one group. The group's row size is the greatest common
-divisor of its pairs' offsets from the pool's base and of their sizes, so
-every pair is a run of whole rows of the pool's storage seen as a 2-D matrix
-(conv pairs: rows of one conv row, any shift; temporal pairs: whole blocks).
-The group is copied with one gather and one scatter::
+one storage form one group: vLLM views a layer's conv and temporal states into
+one raw KV-cache tensor with a per-block page stride, so both states of a
+layer are copied together (state tensors in separate allocations: one group
+per pool; a storage whose common row would be short, too). The group's row
+size is the largest power of two dividing its pairs' offsets from the
+storage's start (the pool's base for a pool group) and their sizes, so every
+pair is a run of whole rows of the storage seen as a 2-D matrix (conv pairs
+of any shift and temporal pairs alike). The group is copied with one gather
+and one scatter::
 
     rows[dst_rows] = rows[src_rows]
     # torch.index_select (gather), then Tensor.index_copy_ (scatter) on NPU,
     # i.e. aclnnIndexSelect and aclnnInplaceIndexCopy under torch_npu;
     # elsewhere the scatter is Tensor.index_put_ (see DEVICE_OP_PAIR)
 
-Pools of one shape in one KV-cache group share their relative rows (their
-layers share block ids), so every distinct index is uploaded once per step:
+Storages (or pools) of one shape in one KV-cache group share their relative
+rows (their layers share block ids), so every distinct index is uploaded once per step:
 one pinned host buffer, one host-to-device copy, sliced per part.
 
 A group of one pair is one slice copy (through a temporary when it overlaps
@@ -482,68 +486,60 @@ def plan_copies(
     if sel.size == 0:
         return CopyPlan(groups, ordered, n, 0, empty, [], targets)
     src_row, dst_row = g_s >> row_shift, g_d >> row_shift
-    # Expand every pair into its rows (pair order kept, rows in address order).
-    ends = np.cumsum(pair_rows)
-    total = int(ends[-1])
-    first = ends - pair_rows
-    if total == sel.size:  # one row a pair (the usual case)
-        src_rows, dst_rows = src_row, dst_row
-    else:
-        step = np.arange(total) - np.repeat(first, pair_rows)
-        src_rows = np.repeat(src_row, pair_rows) + step
-        dst_rows = np.repeat(dst_row, pair_rows) + step
     unit = np.minimum(max_unit[g_pool[starts]], row_bytes)
-    g_first = first[starts]
-    g_rows = np.diff(np.append(g_first, total))
-    # Index parts: the row indices of a part are uploaded once and shared by
-    # every group with the same rows (all layers of a KV-cache group share
-    # block ids, so pools of one shape have the same relative rows).
-    part_bounds: list[tuple[int, int]] = []
+    g_rows = np.add.reduceat(pair_rows, starts)
+    # Index parts: the row indices of a part are uploaded once and shared by every
+    # group with the same pairs in rows (the layers of a KV-cache group share block
+    # ids, so storages or pools of one shape have the same relative rows). Groups
+    # are deduped on their pairs, and only one group of each kind is expanded to rows.
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
     group_part = np.full(len(starts), -1, dtype=np.int64)
     whole = (counts > 1) & (g_rows * row_bytes <= max_group_bytes)
-    # Groups of equally many rows are deduped as matrix rows (a few widths a batch).
-    for width in np.unique(g_rows[whole]).tolist():
-        these = np.flatnonzero(whole & (g_rows == width))
-        at = g_first[these][:, None] + np.arange(width)
-        inverse, rep = _unique_rows(np.concatenate((src_rows[at], dst_rows[at]), 1))
-        group_part[these] = inverse + len(part_bounds)
-        part_bounds += [(int(at[r, 0]), int(at[r, 0]) + width) for r in rep]
+    for width in np.unique(counts[whole]).tolist():
+        these = np.flatnonzero(whole & (counts == width))
+        at = starts[these][:, None] + np.arange(width)
+        inverse, rep = _unique_rows(np.concatenate((src_row[at], dst_row[at], pair_rows[at]), 1))
+        group_part[these] = inverse + len(parts)
+        parts += [_expand(src_row[at[r]], dst_row[at[r]], pair_rows[at[r]]) for r in rep]
     part_of: dict[bytes, int] = {}
     g_list = zip(
         g_pool[starts].tolist(),
         row_bytes.tolist(),
         unit.tolist(),
         counts.tolist(),
-        g_first.tolist(),
+        starts.tolist(),
         g_rows.tolist(),
         group_part.tolist(),
-        src_row[starts].tolist(),
-        dst_row[starts].tolist(),
     )
-    for pid, rbytes, u, count, a, size, part, first_src, first_dst in g_list:
+    for pid, rbytes, u, count, a, size, part in g_list:
         if part >= 0:
             groups.append((pid, rbytes, u, part, 0, 0, size))
             continue
         if count == 1:
-            groups.append((pid, rbytes, u, -1, first_src, first_dst, size))
+            groups.append((pid, rbytes, u, -1, int(src_row[a]), int(dst_row[a]), size))
             continue
-        b = a + size
+        s_rows, d_rows = _expand(src_row[a : a + count], dst_row[a : a + count], pair_rows[a : a + count])
         step_rows = max(1, max_group_bytes // rbytes)
-        for c in range(a, b, step_rows):
-            e = min(b, c + step_rows)
-            key = src_rows[c:e].tobytes() + dst_rows[c:e].tobytes()
+        for c in range(0, size, step_rows):
+            key = s_rows[c : c + step_rows].tobytes() + d_rows[c : c + step_rows].tobytes()
             part = part_of.get(key)
             if part is None:
-                part = part_of[key] = len(part_bounds)
-                part_bounds.append((c, e))
-            groups.append((pid, rbytes, u, part, 0, 0, e - c))
+                part = part_of[key] = len(parts)
+                parts.append((s_rows[c : c + step_rows], d_rows[c : c + step_rows]))
+            groups.append((pid, rbytes, u, part, 0, 0, min(step_rows, size - c)))
     # Source rows of every part, then destination rows: one transfer, one split.
-    if part_bounds:
-        index_host = np.concatenate([src_rows[c:e] for c, e in part_bounds] + [dst_rows[c:e] for c, e in part_bounds])
-    else:
-        index_host = empty
-    sizes = [e - c for c, e in part_bounds] * 2
+    index_host = np.concatenate([s for s, _ in parts] + [d for _, d in parts]) if parts else empty
+    sizes = [len(s) for s, _ in parts] * 2
     return CopyPlan(groups, ordered, n, int(sel.size), index_host, sizes, targets, one_device)
+
+
+def _expand(src_row: np.ndarray, dst_row: np.ndarray, pair_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair's rows, pair order kept, rows in address order."""
+    total = int(pair_rows.sum())
+    if total == pair_rows.size:  # one row a pair (the usual case)
+        return src_row, dst_row
+    step = np.arange(total) - np.repeat(np.cumsum(pair_rows) - pair_rows, pair_rows)
+    return np.repeat(src_row, pair_rows) + step, np.repeat(dst_row, pair_rows) + step
 
 
 def _device_index(index_host: np.ndarray, device: torch.device) -> torch.Tensor:

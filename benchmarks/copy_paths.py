@@ -9,9 +9,11 @@ Backends (one batch = every copy of one align-mode step):
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
   memmove      batch_memmove (this fork): overlap-safe, tiled, one launch
   torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
-               imported from the tree): pairs grouped per pool (all shifts of a pool in one row-level
-               group), one index_select + index_copy_ each, interacting pairs copied per pair in order
+               imported from the tree): pairs grouped per storage (a layer's conv and temporal views
+               of one raw tensor) or per pool (separate allocations), all shifts in one row-level
+               group, one index_select + index_copy_ each, interacting pairs copied per pair in order
   torch_index_put  the same with index_put_ as the scatter (comparison)
+  torch_per_pool   the same with one group per pool, never per storage (comparison)
   torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
 Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
@@ -208,6 +210,15 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
 
         return run
 
+    def torch_per_pool(b):
+        # The planner with grouping per storage switched off: one group per pool (comparison).
+        saved = mcg.MIN_STORAGE_ROW_BYTES
+        mcg.MIN_STORAGE_ROW_BYTES = 1 << 62
+        try:
+            torch_grouped(b)
+        finally:
+            mcg.MIN_STORAGE_ROW_BYTES = saved
+
     def torch_clone(b):
         for s, d in b.views:
             d.copy_(s.clone())
@@ -229,6 +240,7 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
             torch_grouped_with("index_put"),
             {"path": "mamba_copy_groups.copy_rows", "op_pair": "index_select + index_put_ (comparison)"},
         ),
+        "torch_per_pool": (torch_per_pool, {"path": "mamba_copy_groups.copy_rows, per-pool groups (comparison)"}),
         "torch_clone": (torch_clone, {}),
         "torch_copy": (torch_copy, {}),
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),

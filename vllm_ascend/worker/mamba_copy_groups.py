@@ -276,7 +276,8 @@ def _pool_arrays(pools: Sequence[StatePool]):
     cluster, cluster_base = _clusters(base, nbytes)
     by_storage: dict[tuple, list[int]] = {}
     for i, p in enumerate(pools):
-        by_storage.setdefault((str(p.device), p.state.untyped_storage().data_ptr()), []).append(i)
+        storage_of = p.state.untyped_storage()
+        by_storage.setdefault((str(p.device), storage_of.data_ptr(), storage_of.nbytes()), []).append(i)
     targets = list(pools)
     storage = np.full(len(pools), -1, dtype=np.int64)
     for members in by_storage.values():

@@ -9,15 +9,23 @@ Backends (one batch = every copy of one align-mode step):
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
   memmove      batch_memmove (this fork): overlap-safe, tiled, one launch
   torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
-               imported from the tree): pairs grouped per pool (all shifts of a pool in one row-level
-               group), one index_select + index_copy_ each, interacting pairs copied per pair in order
+               imported from the tree): pairs grouped per storage (a layer's conv and temporal views
+               of one raw tensor) or per pool (separate allocations), all shifts in one row-level
+               group, one index_select + index_copy_ each, interacting pairs copied per pair in order
   torch_index_put  the same with index_put_ as the scatter (comparison)
+  torch_per_pool   the same with one group per pool, never per storage (comparison)
   torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
 Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
 
 Shapes per layer (36 layers): one conv state of 3 rows x 16 KiB (bf16, dim 8192) and one
-2 MiB fp32 temporal state. Each request crosses a block boundary: its conv state moves to a new
+2 MiB fp32 temporal state. Two memory layouts, both in every run (`layout` in each record):
+  vllm      what vllm-ascend's model runner builds for hybrid models: one raw int8 tensor per
+            layer (its KV-cache tensor), `num_blocks` pages of [conv state | temporal state], the
+            two states as strided views with the page stride (`_reshape_kv_cache_tensors` ->
+            `_adjust_kv_layout` in vllm_ascend/worker/model_runner_v1.py)
+  separate  every state its own contiguous allocation (72 pools)
+Each request crosses a block boundary: its conv state moves to a new
 block shifted by 1-2 tokens (state[src, bias:] -> state[dst, :3 - bias]) and its temporal state
 moves to a new block. The device-to-device bandwidth of one large torch copy is measured in the
 same run as the ceiling. gbps counts read + write bytes (2 x bytes / time), like d2d_gbps.
@@ -47,6 +55,7 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 LAYERS = 36
+LAYOUTS = ("vllm", "separate")
 CONV_ROWS, CONV_DIM = 3, 8192  # bf16 -> 16 KiB rows
 TEMPORAL_SHAPE = (16, 128, 256)  # fp32 -> 2 MiB
 
@@ -93,20 +102,41 @@ def left_guard_kernel_factory():
     return left_guard_memcpy_kernel
 
 
+def make_pools(torch, device, blocks, layers, conv_rows, conv_dim, temporal_shape, layout, alloc=None):
+    """Per layer (conv, temporal) state tensors of `blocks` blocks in the given memory layout."""
+    alloc = alloc or torch.empty
+    pools = []
+    t_numel = int(np.prod(temporal_shape))
+    for _ in range(layers):
+        if layout == "separate":
+            conv = alloc(blocks, conv_rows, conv_dim, dtype=torch.bfloat16, device=device)
+            temporal = alloc(blocks, *temporal_shape, dtype=torch.float32, device=device)
+        else:
+            conv_bytes = conv_rows * conv_dim * 2
+            page = conv_bytes + t_numel * 4  # vLLM pads it to the attention page in hybrid models
+            raw = alloc(blocks * page, dtype=torch.int8, device=device)
+            conv = raw.view(torch.bfloat16).as_strided((blocks, conv_rows, conv_dim), (page // 2, conv_dim, 1), 0)
+            t_stride = [t_numel // temporal_shape[0]]
+            for d in temporal_shape[1:]:
+                t_stride.append(t_stride[-1] // d)
+            temporal = raw.view(torch.float32).as_strided(
+                (blocks, *temporal_shape), (page // 4, *t_stride), conv_bytes // 4
+            )
+        pools.append((conv, temporal))
+    return pools
+
+
 class Batch:
     """Pools for `layers` layers and the copy pairs of `requests` requests crossing a block boundary."""
 
-    def __init__(self, torch, device, requests, layers, conv_rows, conv_dim, temporal_shape, seed=0):
+    def __init__(self, torch, device, requests, layers, conv_rows, conv_dim, temporal_shape, seed=0, layout="vllm"):
         self.torch = torch
         blocks = 2 * requests + 2
         torch.manual_seed(seed)
-        self.pools = []
-        for _ in range(layers):
-            conv = torch.empty(blocks, conv_rows, conv_dim, dtype=torch.bfloat16, device=device)
-            temporal = torch.empty(blocks, *temporal_shape, dtype=torch.float32, device=device)
+        self.pools = make_pools(torch, device, blocks, layers, conv_rows, conv_dim, temporal_shape, layout)
+        for conv, temporal in self.pools:
             conv.view(torch.int16).random_(-(2**15), 2**15)  # filled on the device
             temporal.normal_()
-            self.pools.append((conv, temporal))
         self.views = []  # (src_view, dst_view)
         for layer, (conv, temporal) in enumerate(self.pools):
             for req in range(requests):
@@ -180,6 +210,15 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
 
         return run
 
+    def torch_per_pool(b):
+        # The planner with grouping per storage switched off: one group per pool (comparison).
+        saved = mcg.MIN_STORAGE_ROW_BYTES
+        mcg.MIN_STORAGE_ROW_BYTES = 1 << 62
+        try:
+            torch_grouped(b)
+        finally:
+            mcg.MIN_STORAGE_ROW_BYTES = saved
+
     def torch_clone(b):
         for s, d in b.views:
             d.copy_(s.clone())
@@ -201,6 +240,7 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
             torch_grouped_with("index_put"),
             {"path": "mamba_copy_groups.copy_rows", "op_pair": "index_select + index_put_ (comparison)"},
         ),
+        "torch_per_pool": (torch_per_pool, {"path": "mamba_copy_groups.copy_rows, per-pool groups (comparison)"}),
         "torch_clone": (torch_clone, {}),
         "torch_copy": (torch_copy, {}),
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
@@ -284,16 +324,11 @@ def check_backend(torch, fn, batch) -> bool:
     return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for s, d in ref)
 
 
-def host_cost(torch, requests=64, layers=36, reps=3, mcg=None):
+def host_cost(torch, requests=64, layers=36, reps=3, mcg=None, layout="separate"):
     """us per pair spent collecting copy metadata on the host, CPU tensors, collector-like loops."""
-    import numpy as np
-
     blocks = 2 * requests + 2
     # torch.empty: pages are never touched, only addresses are computed.
-    pools = [
-        (torch.empty(blocks, CONV_ROWS, CONV_DIM, dtype=torch.bfloat16), torch.empty(blocks, *TEMPORAL_SHAPE))
-        for _ in range(layers)
-    ]
+    pools = make_pools(torch, "cpu", blocks, layers, CONV_ROWS, CONV_DIM, TEMPORAL_SHAPE, layout)
     block_ids = [[2 * r, 2 * r + 1] for r in range(requests)]
     n = requests * layers * 2
     src_np = np.zeros(n, dtype=np.int64)
@@ -332,7 +367,8 @@ def host_cost(torch, requests=64, layers=36, reps=3, mcg=None):
                 for state, spec in zip(pools[layer], specs):
                     addr, numel = spec(state, ids, 0, 0 if spec is temporal_spec else 1)
                     esize = state.element_size()
-                    flat = state.view(-1)
+                    start = state.storage_offset()  # the collector's flat view from the state's start
+                    flat = state.as_strided((state.untyped_storage().nbytes() // esize - start,), (1,), start)
                     src = flat.narrow(0, (addr - state.data_ptr()) // esize, numel)
                     dst = flat.narrow(0, (state[ids[1]].data_ptr() - state.data_ptr()) // esize, numel)
                     pairs.append((src, dst))
@@ -442,8 +478,9 @@ def run(args):
     if args.backends:
         backends = {k: v for k, v in backends.items() if k in args.backends.split(",")}
     records = []
-    for requests in requests_list:
-        batch = Batch(torch, device, requests, layers, conv_rows, conv_dim, temporal_shape)
+    cases = [(layout, requests) for layout in args.layouts.split(",") for requests in requests_list]
+    for layout, requests in cases:
+        batch = Batch(torch, device, requests, layers, conv_rows, conv_dim, temporal_shape, layout=layout)
         for name, (fn, cfg) in backends.items():
             ok = check_backend(torch, fn, batch)
             host_times = []
@@ -457,6 +494,7 @@ def run(args):
                 b2b = {"median_ms_b2b": b2b_ms, "gbps_b2b": b2b_gbps, "pct_of_d2d_b2b": 100 * b2b_gbps / d2d_gbps}
             rec = {
                 "backend": name,
+                "layout": layout,
                 "requests": requests,
                 "pairs": batch.pairs,
                 "bytes": batch.bytes,
@@ -474,7 +512,7 @@ def run(args):
             }
             records.append(rec)
             print(
-                f"{name:>20} req={requests:>3} pairs={batch.pairs:>5} {batch.bytes / 1e6:8.1f} MB "
+                f"{name:>20} {layout:>8} req={requests:>3} pairs={batch.pairs:>5} {batch.bytes / 1e6:8.1f} MB "
                 f"{median_ms:9.3f} ms (host {host_ms:7.3f}) {gbps:8.1f} GB/s {rec['pct_of_d2d']:5.1f}% d2d correct={ok}"
                 + (f" | back-to-back {b2b['median_ms_b2b']:.3f} ms {b2b['pct_of_d2d_b2b']:5.1f}% d2d" if b2b else ""),
                 flush=True,
@@ -483,20 +521,18 @@ def run(args):
         if device == "cuda":
             torch.cuda.empty_cache()
     if not args.no_host:
-        host = host_cost(torch, requests=2 if smoke else 64, layers=layers, mcg=kernels["copy_groups"])
-        for name, vals in host.items():
-            records.append(
-                {
-                    "backend": f"host_{name}",
-                    "kind": "host",
-                    **vals,
-                    "device": "host cpu",
-                    "versions": meta["versions"],
-                    "date": meta["date"],
-                }
-            )
+        host_meta = {"device": "host cpu", "versions": meta["versions"], "date": meta["date"]}
+        records += host_records(torch, kernels["copy_groups"], args.layouts, host_meta, 2 if smoke else 64, layers)
+    return records
+
+
+def host_records(torch, mcg, layouts, meta, requests=64, layers=LAYERS, reps=3):
+    records = []
+    for layout in layouts.split(","):
+        for name, vals in host_cost(torch, requests, layers, reps, mcg, layout).items():
+            records.append({"backend": f"host_{name}", "kind": "host", "layout": layout, **vals, **meta})
             print(
-                f"host {name:>18}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step "
+                f"host {name:>20} {layout:>8}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step "
                 f"({vals['pairs']} pairs)",
                 flush=True,
             )
@@ -512,18 +548,31 @@ def plot(records, png):
     dev = [r for r in records if r.get("kind") != "host"]
     if not dev:
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 6))
     names = ["unguarded", "unguarded_b1024", "left_guard", "memmove", "torch", "torch_clone", "torch_copy"]
-    for name in names:
-        rows = sorted((r for r in dev if r["backend"] == name), key=lambda r: r["requests"])
-        if rows:
-            ax.plot([r["requests"] for r in rows], [r["gbps"] for r in rows], marker="o", label=name)
+    colors = {}
+    for layout, style in (("vllm", "-"), ("separate", ":")):
+        for name in names:
+            rows = sorted(
+                (r for r in dev if r["backend"] == name and r.get("layout", "separate") == layout),
+                key=lambda r: r["requests"],
+            )
+            if rows:
+                line = ax.plot(
+                    [r["requests"] for r in rows],
+                    [r["gbps"] for r in rows],
+                    style,
+                    marker="o",
+                    color=colors.get(name),
+                    label=f"{name} ({layout})",
+                )
+                colors[name] = line[0].get_color()
     d2d = dev[0]["d2d_gbps"]
     ax.axhline(d2d, color="k", linestyle="--", label=f"D2D copy ceiling ({d2d:.0f} GB/s)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests per batch (36 layers x (conv 3x16 KiB + temporal 2 MiB))")
     ax.set_ylabel("GB/s (read + write)")
-    ax.set_title(f"Mamba state copy paths on {dev[0]['device']}")
+    ax.set_title(f"Mamba state copy paths on {dev[0]['device']} (solid: vLLM layout, dotted: separate pools)")
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -538,6 +587,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--d2d-mib", type=int, default=1024)
     parser.add_argument("--backends", help="comma-separated subset")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="memory layouts, comma-separated")
     parser.add_argument("--sweep", action="store_true", help="also time memmove block/tile variants")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--no-host", action="store_true", help="skip the host-side collector cost")
@@ -555,10 +605,7 @@ def main(argv=None):
         import torch
 
         meta = {"device": "host cpu", "versions": common.versions(), "date": common.now()}
-        records = []
-        for name, vals in host_cost(torch, requests=64, layers=LAYERS, reps=5, mcg=kernels["copy_groups"]).items():
-            records.append({"backend": f"host_{name}", "kind": "host", **vals, **meta})
-            print(f"host {name:>18}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step")
+        records = host_records(torch, kernels["copy_groups"], args.layouts, meta, reps=5)
     else:
         records = run(args)
     if args.json:

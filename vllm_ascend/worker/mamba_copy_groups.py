@@ -41,19 +41,23 @@ Copy functions not recognised (or whose probe disagrees, or raises) are called
 per pair as before, and their pairs are copied per pair.
 
 **Grouped copies** (``plan_copies``, ``run_copies``, ``copy_rows``). The pairs of
-one state pool form one group. The group's row size is the greatest common
-divisor of its pairs' offsets from the pool's base and of their sizes, so
-every pair is a run of whole rows of the pool's storage seen as a 2-D matrix
-(conv pairs: rows of one conv row, any shift; temporal pairs: whole blocks).
-The group is copied with one gather and one scatter::
+one storage form one group: vLLM views a layer's conv and temporal states into
+one raw KV-cache tensor with a per-block page stride, so both states of a
+layer are copied together (state tensors in separate allocations: one group
+per pool; a storage whose common row would be short, too). The group's row
+size is the largest power of two dividing its pairs' offsets from the
+storage's start (the pool's base for a pool group) and their sizes, so every
+pair is a run of whole rows of the storage seen as a 2-D matrix (conv pairs
+of any shift and temporal pairs alike). The group is copied with one gather
+and one scatter::
 
     rows[dst_rows] = rows[src_rows]
     # torch.index_select (gather), then Tensor.index_copy_ (scatter) on NPU,
     # i.e. aclnnIndexSelect and aclnnInplaceIndexCopy under torch_npu;
     # elsewhere the scatter is Tensor.index_put_ (see DEVICE_OP_PAIR)
 
-Pools of one shape in one KV-cache group share their relative rows (their
-layers share block ids), so every distinct index is uploaded once per step:
+Storages (or pools) of one shape in one KV-cache group share their relative
+rows (their layers share block ids), so every distinct index is uploaded once per step:
 one pinned host buffer, one host-to-device copy, sliced per part.
 
 A group of one pair is one slice copy (through a temporary when it overlaps
@@ -133,6 +137,12 @@ class StatePool:
         self.stride = int(state.stride(0)) * self.esize if state.dim() >= 1 else 0
         self._rows: dict[tuple[int, int], torch.Tensor] = {}
 
+    def whole_storage(self) -> StatePool:
+        """A pool over this pool's whole untyped storage, as bytes (the target of a per-storage group)."""
+        storage = self.state.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return StatePool(flat.set_(storage, 0, (storage.nbytes(),), (1,)))
+
     def max_unit(self) -> int:
         """The widest integer unit (bytes) the pool's base address allows."""
         unit = _MAX_UNIT.get(self.device.type, 16)
@@ -167,10 +177,20 @@ class StatePool:
 class CopyPlan:
     """Groups (one gather + scatter each, or one direct copy) and the pairs copied one by one."""
 
-    __slots__ = ("groups", "ordered", "num_pairs", "grouped_pairs", "index_host", "index_sizes", "one_device")
+    __slots__ = (
+        "groups",
+        "ordered",
+        "num_pairs",
+        "grouped_pairs",
+        "index_host",
+        "index_sizes",
+        "targets",
+        "one_device",
+    )
 
-    def __init__(self, groups, ordered, num_pairs, grouped_pairs, index_host, index_sizes, one_device=True):
-        # groups: (pool_id, row_bytes, unit, part, src_row, dst_row, rows): ``part`` >= 0 is
+    def __init__(self, groups, ordered, num_pairs, grouped_pairs, index_host, index_sizes, targets, one_device=True):
+        # groups: (target, row_bytes, unit, part, src_row, dst_row, rows): ``target`` indexes
+        # ``targets`` (the pools, then whole storages shared by pools); ``part`` >= 0 is
         # the position of the group's source rows in the split index (its destination rows
         # are ``len(index_sizes) // 2`` parts later); ``part`` < 0 is a single pair: rows
         # [src_row, src_row + rows) ->
@@ -181,6 +201,7 @@ class CopyPlan:
         self.grouped_pairs = grouped_pairs
         self.index_host = index_host
         self.index_sizes = index_sizes
+        self.targets = targets
         self.one_device = one_device
 
 
@@ -243,13 +264,29 @@ class PoolTable(list):
 
 
 def _pool_arrays(pools: Sequence[StatePool]):
+    """Per-pool arrays, and the copy targets: the pools, then one whole-storage pool per shared storage.
+
+    ``storage[i]`` is the target id of pool ``i``'s storage when other pools
+    (of the same device) share it, else -1.
+    """
     base = np.array([p.base for p in pools], dtype=np.int64)
     nbytes = np.array([p.nbytes for p in pools], dtype=np.int64)
     esize = np.array([p.esize for p in pools], dtype=np.int64)
-    max_unit = np.array([p.max_unit() for p in pools], dtype=np.int64)
     one_device = len({str(p.device) for p in pools}) <= 1
     cluster, cluster_base = _clusters(base, nbytes)
-    return base, nbytes, esize, max_unit, one_device, cluster, cluster_base
+    by_storage: dict[tuple, list[int]] = {}
+    for i, p in enumerate(pools):
+        storage_of = p.state.untyped_storage()
+        by_storage.setdefault((str(p.device), storage_of.data_ptr(), storage_of.nbytes()), []).append(i)
+    targets = list(pools)
+    storage = np.full(len(pools), -1, dtype=np.int64)
+    for members in by_storage.values():
+        if len(members) > 1:
+            storage[members] = len(targets)
+            targets.append(pools[members[0]].whole_storage())
+    t_base = np.array([t.base for t in targets], dtype=np.int64)
+    max_unit = np.array([t.max_unit() for t in targets], dtype=np.int64)
+    return base, nbytes, esize, one_device, cluster, cluster_base, storage, targets, t_base, max_unit
 
 
 def _clusters(base: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -354,6 +391,8 @@ def _hazards_by_cluster(cluster, cluster_base, src, dst, nbytes, inside) -> np.n
 
 # A pair of a group is copied as rows of the group's row size: at most this many rows a pair.
 MAX_ROWS_PER_PAIR = 256
+# Pools sharing a storage are copied as one group when their common row is at least this long.
+MIN_STORAGE_ROW_BYTES = 256
 
 
 def plan_copies(
@@ -367,7 +406,7 @@ def plan_copies(
     check_hazards: bool = True,
     max_group_bytes: int = MAX_GROUP_BYTES,
 ) -> CopyPlan:
-    """Split a batch of byte copies into one group per pool and ordered per-pair copies.
+    """Split a batch of byte copies into one group per storage (or pool) and ordered per-pair copies.
 
     ``pool_ids[i]`` names the pool (index into ``pools``) pair ``i`` lives in;
     ``src``/``dst`` are absolute addresses, ``nbytes`` sizes. ``groupable``
@@ -375,9 +414,13 @@ def plan_copies(
     skips the interaction check: only for tests that prove it is needed.
 
     A group's pairs are copied as rows of ``row_bytes``, the greatest common
-    divisor of their offsets from the pool's base and their sizes, so the
-    conv pairs of every shift and the temporal pairs of a pool each form one
-    group (and pairs that cross block boundaries are fine).
+    divisor of their offsets from the group's base and their sizes, so the
+    conv pairs of every shift and the temporal pairs form one group (and
+    pairs that cross block boundaries are fine). Pools that share a storage
+    (conv and temporal views of one raw KV-cache tensor) form one group based
+    at the storage's start, unless its row would be shorter than
+    ``MIN_STORAGE_ROW_BYTES`` or a pair longer than ``MAX_ROWS_PER_PAIR`` rows:
+    then each of its pools is a group.
     """
     n = len(nbytes)
     pool_ids = np.asarray(pool_ids, dtype=np.int64)
@@ -386,7 +429,7 @@ def plan_copies(
     nbytes = np.asarray(nbytes, dtype=np.int64)
     live = nbytes > 0
     arrays = pools.arrays() if isinstance(pools, PoolTable) else _pool_arrays(pools)
-    base, pool_bytes, esize, max_unit, one_device, cluster, cluster_base = arrays
+    base, pool_bytes, esize, one_device, cluster, cluster_base, storage, targets, t_base, max_unit = arrays
     p_base, p_bytes, p_esize = base[pool_ids], pool_bytes[pool_ids], esize[pool_ids]
     rel_s, rel_d = src - p_base, dst - p_base
     # The per-pair view's checks: inside the pool's storage, whole elements
@@ -402,12 +445,27 @@ def plan_copies(
     groups: list[tuple[int, int, int, int, int, int, int]] = []
     empty = np.zeros(0, dtype=np.int64)
     if sel.size == 0:
-        return CopyPlan(groups, np.flatnonzero(live), n, 0, empty, [])
-    keys = pool_ids[sel]
-    if len(pools) < 2**16:
+        return CopyPlan(groups, np.flatnonzero(live), n, 0, empty, [], targets)
+    # Group key (a target): the pair's shared storage where its row is long enough, else its pool.
+    target = pool_ids[sel]
+    shared = storage[target]
+    if (shared >= 0).any():
+        on = shared >= 0
+        t, s_n = shared[on], nbytes[sel][on]
+        mixed = np.zeros(len(targets), dtype=np.int64)
+        np.bitwise_or.at(mixed, t, (src[sel][on] - t_base[t]) | (dst[sel][on] - t_base[t]) | s_n)
+        longest = np.zeros(len(targets), dtype=np.int64)
+        np.maximum.at(longest, t, s_n)
+        row = mixed & -mixed
+        good = (row >= MIN_STORAGE_ROW_BYTES) & (longest <= row * MAX_ROWS_PER_PAIR)
+        target[on] = np.where(good[t], t, target[on])
+    g_base = t_base[target]
+    keys = target
+    if len(targets) < 2**16:
         keys = keys.astype(np.uint16)  # a stable sort of 16-bit keys is a radix sort
-    sel = sel[np.argsort(keys, kind="stable")]
-    g_pool, g_s, g_d, g_n = pool_ids[sel], rel_s[sel], rel_d[sel], nbytes[sel]
+    order = np.argsort(keys, kind="stable")
+    sel, g_pool = sel[order], target[order]
+    g_s, g_d, g_n = src[sel] - g_base[order], dst[sel] - g_base[order], nbytes[sel]
     starts = np.concatenate(([0], np.flatnonzero(g_pool[1:] != g_pool[:-1]) + 1))
     counts = np.diff(np.concatenate((starts, [sel.size])))
     # Row size: the largest power of two dividing every offset and size of the pool's pairs.
@@ -427,70 +485,62 @@ def plan_copies(
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     ordered = np.flatnonzero(live & ~ok)
     if sel.size == 0:
-        return CopyPlan(groups, ordered, n, 0, empty, [])
+        return CopyPlan(groups, ordered, n, 0, empty, [], targets)
     src_row, dst_row = g_s >> row_shift, g_d >> row_shift
-    # Expand every pair into its rows (pair order kept, rows in address order).
-    ends = np.cumsum(pair_rows)
-    total = int(ends[-1])
-    first = ends - pair_rows
-    if total == sel.size:  # one row a pair (the usual case)
-        src_rows, dst_rows = src_row, dst_row
-    else:
-        step = np.arange(total) - np.repeat(first, pair_rows)
-        src_rows = np.repeat(src_row, pair_rows) + step
-        dst_rows = np.repeat(dst_row, pair_rows) + step
     unit = np.minimum(max_unit[g_pool[starts]], row_bytes)
-    g_first = first[starts]
-    g_rows = np.diff(np.append(g_first, total))
-    # Index parts: the row indices of a part are uploaded once and shared by
-    # every group with the same rows (all layers of a KV-cache group share
-    # block ids, so pools of one shape have the same relative rows).
-    part_bounds: list[tuple[int, int]] = []
+    g_rows = np.add.reduceat(pair_rows, starts)
+    # Index parts: the row indices of a part are uploaded once and shared by every
+    # group with the same pairs in rows (the layers of a KV-cache group share block
+    # ids, so storages or pools of one shape have the same relative rows). Groups
+    # are deduped on their pairs, and only one group of each kind is expanded to rows.
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
     group_part = np.full(len(starts), -1, dtype=np.int64)
     whole = (counts > 1) & (g_rows * row_bytes <= max_group_bytes)
-    # Groups of equally many rows are deduped as matrix rows (a few widths a batch).
-    for width in np.unique(g_rows[whole]).tolist():
-        these = np.flatnonzero(whole & (g_rows == width))
-        at = g_first[these][:, None] + np.arange(width)
-        inverse, rep = _unique_rows(np.concatenate((src_rows[at], dst_rows[at]), 1))
-        group_part[these] = inverse + len(part_bounds)
-        part_bounds += [(int(at[r, 0]), int(at[r, 0]) + width) for r in rep]
+    for width in np.unique(counts[whole]).tolist():
+        these = np.flatnonzero(whole & (counts == width))
+        at = starts[these][:, None] + np.arange(width)
+        inverse, rep = _unique_rows(np.concatenate((src_row[at], dst_row[at], pair_rows[at]), 1))
+        group_part[these] = inverse + len(parts)
+        parts += [_expand(src_row[at[r]], dst_row[at[r]], pair_rows[at[r]]) for r in rep]
     part_of: dict[bytes, int] = {}
     g_list = zip(
         g_pool[starts].tolist(),
         row_bytes.tolist(),
         unit.tolist(),
         counts.tolist(),
-        g_first.tolist(),
+        starts.tolist(),
         g_rows.tolist(),
         group_part.tolist(),
-        src_row[starts].tolist(),
-        dst_row[starts].tolist(),
     )
-    for pid, rbytes, u, count, a, size, part, first_src, first_dst in g_list:
+    for pid, rbytes, u, count, a, size, part in g_list:
         if part >= 0:
             groups.append((pid, rbytes, u, part, 0, 0, size))
             continue
         if count == 1:
-            groups.append((pid, rbytes, u, -1, first_src, first_dst, size))
+            groups.append((pid, rbytes, u, -1, int(src_row[a]), int(dst_row[a]), size))
             continue
-        b = a + size
+        s_rows, d_rows = _expand(src_row[a : a + count], dst_row[a : a + count], pair_rows[a : a + count])
         step_rows = max(1, max_group_bytes // rbytes)
-        for c in range(a, b, step_rows):
-            e = min(b, c + step_rows)
-            key = src_rows[c:e].tobytes() + dst_rows[c:e].tobytes()
+        for c in range(0, size, step_rows):
+            key = s_rows[c : c + step_rows].tobytes() + d_rows[c : c + step_rows].tobytes()
             part = part_of.get(key)
             if part is None:
-                part = part_of[key] = len(part_bounds)
-                part_bounds.append((c, e))
-            groups.append((pid, rbytes, u, part, 0, 0, e - c))
+                part = part_of[key] = len(parts)
+                parts.append((s_rows[c : c + step_rows], d_rows[c : c + step_rows]))
+            groups.append((pid, rbytes, u, part, 0, 0, min(step_rows, size - c)))
     # Source rows of every part, then destination rows: one transfer, one split.
-    if part_bounds:
-        index_host = np.concatenate([src_rows[c:e] for c, e in part_bounds] + [dst_rows[c:e] for c, e in part_bounds])
-    else:
-        index_host = empty
-    sizes = [e - c for c, e in part_bounds] * 2
-    return CopyPlan(groups, ordered, n, int(sel.size), index_host, sizes, one_device)
+    index_host = np.concatenate([s for s, _ in parts] + [d for _, d in parts]) if parts else empty
+    sizes = [len(s) for s, _ in parts] * 2
+    return CopyPlan(groups, ordered, n, int(sel.size), index_host, sizes, targets, one_device)
+
+
+def _expand(src_row: np.ndarray, dst_row: np.ndarray, pair_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair's rows, pair order kept, rows in address order."""
+    total = int(pair_rows.sum())
+    if total == pair_rows.size:  # one row a pair (the usual case)
+        return src_row, dst_row
+    step = np.arange(total) - np.repeat(np.cumsum(pair_rows) - pair_rows, pair_rows)
+    return np.repeat(src_row, pair_rows) + step, np.repeat(dst_row, pair_rows) + step
 
 
 def _device_index(index_host: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -544,13 +594,14 @@ def run_copies(
     ]
     index, half = (), len(plan.index_sizes) // 2
     copy = _copy_index_copy
+    targets = plan.targets
     if half:
-        device = pools[plan.groups[0][0]].device
+        device = targets[plan.groups[0][0]].device
         copy = op_pair_for(device)
         index = torch.split(_device_index(plan.index_host, device), plan.index_sizes)
     one_device = plan.one_device
     for pid, row_bytes, unit, part, src_row, dst_row, rows in plan.groups:
-        pool = pools[pid]
+        pool = targets[pid]
         view = pool._rows.get((row_bytes, unit))
         if view is None:
             view = pool.rows(row_bytes, unit)

@@ -458,3 +458,195 @@ def test_clusters_checked_once_per_relative_layout_equal_memmove_oracle(case):
     mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=CHECK_HAZARDS)
     for arena, want in zip(arenas, wants):
         assert_bytes_equal(arena.snapshot(), want)
+
+
+# --------------------------------------------------------------------------
+# Shared storages: vLLM's layout (conv and temporal views of one raw tensor)
+# --------------------------------------------------------------------------
+
+
+class RawLayers:
+    """One raw byte tensor per KV-cache tensor, each layer's states viewed into it with a page stride.
+
+    The layout of vllm-ascend's ``_reshape_kv_cache_tensors`` / ``_adjust_kv_layout`` for
+    hybrid models: per block one page of [conv state][temporal state][padding]; ``per_raw``
+    layers share one raw tensor (one page region after the other).
+    """
+
+    def __init__(self, rng, layers, num_blocks, per_raw=1, conv=(3, 128), temporal=(2, 64), pad=256):
+        self.raws, self.layers = [], []
+        for first in range(0, layers, per_raw):
+            count = min(per_raw, layers - first)
+            parts = []
+            for _ in range(count):
+                conv_dtype = DTYPES[int(rng.integers(len(DTYPES)))]
+                temp_dtype = DTYPES[int(rng.integers(len(DTYPES) - 1))]  # 16/32-bit temporal states
+                conv_bytes = conv[0] * conv[1] * 2  # conv[1] counts 2-byte units whatever the dtype
+                temp_bytes = temporal[0] * temporal[1] * 4
+                parts.append((conv_dtype, temp_dtype, conv_bytes, temp_bytes, conv_bytes + temp_bytes + pad))
+            size = sum(p[4] for p in parts) * num_blocks + 64
+            raw = torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8)).to(DEVICE)
+            self.raws.append(raw)
+            off = 0
+            for i, (conv_dtype, temp_dtype, conv_bytes, temp_bytes, page) in enumerate(parts):
+                ce, te = _esize(conv_dtype), _esize(temp_dtype)
+                states = [
+                    raw.view(conv_dtype).as_strided(
+                        (num_blocks, conv[0], conv_bytes // conv[0] // ce),
+                        (page // ce, conv_bytes // conv[0] // ce, 1),
+                        off // ce,
+                    ),
+                    raw.view(temp_dtype).as_strided(
+                        (num_blocks, temporal[0], temp_bytes // temporal[0] // te),
+                        (page // te, temp_bytes // temporal[0] // te, 1),
+                        (off + conv_bytes) // te,
+                    ),
+                ]
+                self.layers.append((f"layer.{first + i}", states, [get_conv_copy_spec, get_temporal_copy_spec]))
+                off += page * num_blocks
+
+    def snapshots(self):
+        return [raw.cpu().numpy().copy() for raw in self.raws]
+
+
+def check_raw_layers(arena, layout, rows, n, min_row=mcg.MIN_STORAGE_ROW_BYTES, check_hazards=CHECK_HAZARDS):
+    pool_ids, src, dst, nbytes, groupable = rows.batch(n)
+    wants = []
+    for raw, snap in zip(arena.raws, arena.snapshots()):
+        lo, hi = raw.data_ptr(), raw.data_ptr() + raw.numel()
+        mine = (dst >= lo) & (dst < hi)
+        wants.append(oracle(snap, lo, src[mine], dst[mine], nbytes[mine]))
+    saved = mcg.MIN_STORAGE_ROW_BYTES
+    mcg.MIN_STORAGE_ROW_BYTES = min_row
+    try:
+        plan = mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=check_hazards)
+    finally:
+        mcg.MIN_STORAGE_ROW_BYTES = saved
+    for got, want in zip(arena.snapshots(), wants):
+        assert_bytes_equal(got, want)
+    return plan
+
+
+def test_one_group_per_shared_storage(op_pair):
+    rng = np.random.default_rng(11)
+    arena = RawLayers(rng, 3, 12)
+    layout = mcg.CopyLayout({0: arena.layers})
+    reqs = [([2 * r, 2 * r + 1, 2 * r + 1], 0, 1, r % 2) for r in range(5)]
+    rows, n = collect_all(layout, reqs, 64)
+    plan = check_raw_layers(arena, layout, rows, n)
+    assert plan.ordered.size == 0 and plan.grouped_pairs == n
+    # conv and temporal pairs of a layer: one group on its raw tensor, rows of 256 bytes
+    assert len(plan.groups) == 3
+    assert {g[0] for g in plan.groups} == set(range(len(layout.pools), len(layout.pools) + 3))
+    assert {g[1] for g in plan.groups} == {256}
+
+
+def test_short_storage_rows_keep_per_pool_groups():
+    rng = np.random.default_rng(12)
+    arena = RawLayers(rng, 2, 8, conv=(3, 24), temporal=(2, 8), pad=16)  # rows of 16 bytes at most
+    layout = mcg.CopyLayout({0: arena.layers})
+    rows, n = collect_all(layout, [([0, 1, 1], 0, 1, 1), ([2, 3, 3], 0, 1, 0)], 16)
+    plan = check_raw_layers(arena, layout, rows, n)
+    assert len(plan.groups) == 4 and all(g[0] < len(layout.pools) for g in plan.groups)
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        # duplicate destination across requests: the later pair wins
+        [([0, 1, 1], 0, 1, 0), ([2, 1, 1], 0, 1, 1)],
+        # chain through one raw tensor: a -> b, then b -> c
+        [([0, 1, 1], 0, 1, 1), ([1, 2, 2], 0, 1, 0)],
+        # swap
+        [([0, 1, 1], 0, 1, 0), ([1, 0, 0], 0, 1, 0)],
+    ],
+)
+def test_interacting_pairs_in_a_shared_storage(requests):
+    arena = RawLayers(np.random.default_rng(13), 2, 4, per_raw=2)
+    layout = mcg.CopyLayout({0: arena.layers})
+    rows, n = collect_all(layout, requests, 16)
+    plan = check_raw_layers(arena, layout, rows, n)
+    if CHECK_HAZARDS:
+        assert plan.ordered.size > 0
+
+
+def test_cross_state_overlap_falls_back():
+    """A conv pair writing into the temporal state of its page (one raw tensor), then a copy reading it."""
+    arena = RawLayers(np.random.default_rng(14), 1, 6)
+    layout = mcg.CopyLayout({0: arena.layers})
+    conv, temporal = layout.pools
+    t1 = temporal.base + temporal.stride  # temporal state of block 1
+    # pair 0 (conv pool) writes the last 256 B of conv[1] and the first 768 B of temporal[1];
+    # pair 1 then copies temporal[1] to temporal[3]; pair 2 is disjoint from both.
+    pool_ids = np.array([0, 1, 1], np.int64)
+    src = np.array([conv.base, t1, t1 + 3 * temporal.stride], np.int64)
+    dst = np.array([t1 - 256, t1 + 2 * temporal.stride, t1 + 4 * temporal.stride], np.int64)
+    nbytes = np.array([1024, 512, 512], np.int64)
+    rows = make_rows(3)
+    rows.pool[:3], rows.src[:3], rows.dst[:3], rows.sizes[:3] = pool_ids, src, dst, nbytes
+    rows.groupable[:3] = True
+    plan = check_raw_layers(arena, layout, rows, 3)
+    if CHECK_HAZARDS:
+        assert sorted(plan.ordered.tolist()) == [0, 1]
+
+
+@st.composite
+def raw_layer_batches(draw):
+    seed = draw(st.integers(0, 2**32 - 1))
+    layers = draw(st.integers(1, 4))
+    per_raw = draw(st.integers(1, 3))
+    num_blocks = draw(st.integers(2, 7))
+    conv = (draw(st.integers(2, 4)), draw(st.sampled_from([8, 64, 128, 384])))
+    temporal = (draw(st.integers(1, 3)), draw(st.sampled_from([4, 64, 128])))
+    pad = draw(st.sampled_from([0, 16, 256, 768]))
+    min_row = draw(st.sampled_from([1, 64, mcg.MIN_STORAGE_ROW_BYTES]))
+    blocks = st.integers(0, num_blocks - 1)
+    reqs = []
+    for _ in range(draw(st.integers(1, 6))):
+        table = draw(st.lists(blocks, min_size=2, max_size=5))
+        bias = draw(st.integers(0, len(table) - 2))
+        src_idx = draw(st.integers(0, len(table) - 1 - bias))
+        dest_idx = draw(st.integers(0, len(table) - 1))
+        reqs.append((table, src_idx, dest_idx, bias))
+    return seed, layers, per_raw, num_blocks, conv, temporal, pad, min_row, reqs
+
+
+@FUZZ
+@given(raw_layer_batches())
+def test_shared_storage_groups_equal_memmove_oracle(case):
+    seed, layers, per_raw, num_blocks, conv, temporal, pad, min_row, reqs = case
+    arena = RawLayers(np.random.default_rng(seed), layers, num_blocks, per_raw, conv, temporal, pad)
+    layout = mcg.CopyLayout({0: arena.layers})
+    rows, n = collect_all(layout, reqs, 2 * layers * len(reqs))
+    check_raw_layers(arena, layout, rows, n, min_row)
+
+
+@FUZZ
+@given(raw_pairs(), st.sampled_from([1, 8, mcg.MIN_STORAGE_ROW_BYTES]))
+def test_raw_pairs_grouped_per_storage_equal_memmove_oracle(case, min_row):
+    """Arbitrary copies over pools of one buffer (crossing states and pages), grouped per storage."""
+    seed, num_blocks, layers, picks = case
+    arena = Arena(np.random.default_rng(seed), layers, num_blocks)
+    layout = mcg.CopyLayout({0: arena.layers})
+    pools = layout.pools
+    rows = make_rows(len(picks))
+    for i, (a, b, c) in enumerate(picks):
+        pool = pools[a % len(pools)]
+        es, span = pool.esize, pool.nbytes // pool.esize
+        s_el, d_el = b % (span + 1), (b // 3 + a) % (span + 1)
+        count = min(c % (span + 1), span - s_el, span - d_el)
+        rows.pool[i], rows.src[i], rows.dst[i], rows.sizes[i] = (
+            a % len(pools),
+            pool.base + s_el * es,
+            pool.base + d_el * es,
+            count * es,
+        )
+    rows.groupable[:] = True
+    pool_ids, src, dst, nbytes, groupable = rows.batch(len(picks))
+    want = oracle(arena.snapshot(), arena.addr0(), src, dst, nbytes)
+    saved, mcg.MIN_STORAGE_ROW_BYTES = mcg.MIN_STORAGE_ROW_BYTES, min_row
+    try:
+        mcg.copy_rows(pools, pool_ids, src, dst, nbytes, groupable, check_hazards=CHECK_HAZARDS)
+    finally:
+        mcg.MIN_STORAGE_ROW_BYTES = saved
+    assert_bytes_equal(arena.snapshot(), want)

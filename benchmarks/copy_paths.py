@@ -345,36 +345,37 @@ def host_cost(torch, requests=64, layers=36, reps=3, mcg=None, layout="separate"
 
     specs = (conv_spec, temporal_spec)
 
-    def pointer_path():
+    def per_pair():
+        """The per-pair collector's loop: (index, state, block ids, source address, numel) per pair."""
         off = 0
         for r in range(requests):
             ids = block_ids[r]
             for layer in range(layers):
                 for state, spec in zip(pools[layer], specs):
                     addr, numel = spec(state, ids, 0, 0 if spec is temporal_spec else 1)
-                    src_np[off] = addr
-                    dst_np[off] = state[ids[1]].data_ptr()
-                    sizes_np[off] = numel * state.element_size()
+                    yield off, state, ids, addr, numel
                     off += 1
-        return off
+
+    def pointer_path():
+        off = -1
+        for off, state, ids, addr, numel in per_pair():
+            src_np[off] = addr
+            dst_np[off] = state[ids[1]].data_ptr()
+            sizes_np[off] = numel * state.element_size()
+        return off + 1
 
     def tensor_pair_path():
         pairs = []
-        off = 0
-        for r in range(requests):
-            ids = block_ids[r]
-            for layer in range(layers):
-                for state, spec in zip(pools[layer], specs):
-                    addr, numel = spec(state, ids, 0, 0 if spec is temporal_spec else 1)
-                    esize = state.element_size()
-                    start = state.storage_offset()  # the collector's flat view from the state's start
-                    flat = state.as_strided((state.untyped_storage().nbytes() // esize - start,), (1,), start)
-                    src = flat.narrow(0, (addr - state.data_ptr()) // esize, numel)
-                    dst = flat.narrow(0, (state[ids[1]].data_ptr() - state.data_ptr()) // esize, numel)
-                    pairs.append((src, dst))
-                    sizes_np[off] = numel * esize
-                    off += 1
-        return off
+        off = -1
+        for off, state, ids, addr, numel in per_pair():
+            esize = state.element_size()
+            start = state.storage_offset()  # the collector's flat view from the state's start
+            flat = state.as_strided((state.untyped_storage().nbytes() // esize - start,), (1,), start)
+            src = flat.narrow(0, (addr - state.data_ptr()) // esize, numel)
+            dst = flat.narrow(0, (state[ids[1]].data_ptr() - state.data_ptr()) // esize, numel)
+            pairs.append((src, dst))
+            sizes_np[off] = numel * esize
+        return off + 1
 
     # Per-layer numpy address arithmetic: vectorized per layer (sketch, no copy functions).
     bases = np.array([[p.data_ptr() for p in layer] for layer in pools], dtype=np.int64)

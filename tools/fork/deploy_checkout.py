@@ -71,10 +71,8 @@ def revert_checkout(target: Target, *, force: bool = False) -> list[str]:
     if dirty:
         problems.append(f"uncommitted changes: {dirty}")
     if problems and not force:
-        raise LocalEdits(
-            f"{root}: reverting would discard work done after the deploy:\n  - "
-            + "\n  - ".join(problems)
-            + "\nNothing was changed. Pass --force to reset to the pre-deploy HEAD anyway."
+        raise LocalEdits.revert_refused(
+            f"{root}: reverting would discard work done after the deploy", problems, "reset to the pre-deploy HEAD"
         )
     git.run(["reset", "-q", "--hard", state["pre_head"]], root)
     state_path.unlink()

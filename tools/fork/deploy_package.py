@@ -211,10 +211,10 @@ def revert_package(target: Target, *, force: bool = False) -> list[str]:
         restore.write(path, (target.backup / "original" / record["path"]).read_bytes())
         done.append(f"restored {record['path']}")
     if edited and not force:
-        raise LocalEdits(
-            f"files changed since the deploy into {target.package}; reverting would discard that:\n  - "
-            + "\n  - ".join(edited)
-            + "\nNothing was changed. Pass --force to restore the originals anyway."
+        raise LocalEdits.revert_refused(
+            f"files changed since the deploy into {target.package}; reverting would discard that",
+            edited,
+            "restore the originals",
         )
     restore.commit()
     shutil.rmtree(target.backup)

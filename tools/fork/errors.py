@@ -51,6 +51,12 @@ class UpstreamUnavailable(ForkError):
 class LocalEdits(ForkError):
     exit_code = EXIT_LOCAL_EDITS
 
+    @classmethod
+    def revert_refused(cls, what: str, problems: list[str], forced: str) -> LocalEdits:
+        """A revert that would discard later work: each problem on its own line, and what --force does."""
+        listed = "\n  - ".join(problems)
+        return cls(f"{what}:\n  - {listed}\nNothing was changed. Pass --force to {forced} anyway.")
+
 
 class InProgress(ForkError):
     exit_code = EXIT_IN_PROGRESS

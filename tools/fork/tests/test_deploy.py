@@ -199,6 +199,7 @@ def test_revert_refuses_edits_made_after_deploy_unless_forced(repo, tmp_path, ca
     with (site / "vllm_ascend/envs.py").open("a") as f:
         f.write("# edited after the deploy\n")
     refused(repo, capsys, site, "--revert", site / "vllm_ascend", code=6, says="vllm_ascend/envs.py")
+    refused(repo, capsys, site, "--revert", site / "vllm_ascend", code=6, says="Pass --force to restore the originals")
     assert deploy(repo, capsys, "--force", "--revert", site / "vllm_ascend")[0] == 0
     assert snapshot(site) == before
 

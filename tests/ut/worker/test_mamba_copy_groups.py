@@ -332,22 +332,27 @@ def test_layer_major_matches_the_per_layer_collector_order():
 # --------------------------------------------------------------------------
 
 
+def draw_requests(draw, num_blocks, max_requests, max_table):
+    """(block table, source index, destination index, accepted-token bias) per request, over few
+    distinct blocks: duplicate destinations, chains and cross-group overlaps are common."""
+    blocks = st.integers(0, num_blocks - 1)
+    reqs = []
+    for _ in range(draw(st.integers(1, max_requests))):
+        table = draw(st.lists(blocks, min_size=2, max_size=max_table))
+        bias = draw(st.integers(0, len(table) - 2))
+        src_idx = draw(st.integers(0, len(table) - 1 - bias))
+        dest_idx = draw(st.integers(0, len(table) - 1))
+        reqs.append((table, src_idx, dest_idx, bias))
+    return reqs
+
+
 @st.composite
 def batches(draw):
     seed = draw(st.integers(0, 2**32 - 1))
     layers = draw(st.integers(1, 4))
     num_blocks = draw(st.integers(2, 9))
     shared = draw(st.booleans())
-    n_req = draw(st.integers(1, 6))
-    # Few distinct blocks: duplicate destinations, chains and cross-group overlaps are common.
-    blocks = st.integers(0, num_blocks - 1)
-    reqs = []
-    for _ in range(n_req):
-        table = draw(st.lists(blocks, min_size=2, max_size=5))
-        bias = draw(st.integers(0, len(table) - 2))
-        src_idx = draw(st.integers(0, len(table) - 1 - bias))
-        dest_idx = draw(st.integers(0, len(table) - 1))
-        reqs.append((table, src_idx, dest_idx, bias))
+    reqs = draw_requests(draw, num_blocks, max_requests=6, max_table=5)
     return seed, layers, num_blocks, shared, reqs
 
 
@@ -428,14 +433,7 @@ def multi_arena_batches(draw):
     same_layout = draw(st.booleans())
     num_blocks = draw(st.integers(2, 7))
     shared = draw(st.booleans())
-    blocks = st.integers(0, num_blocks - 1)
-    reqs = []
-    for _ in range(draw(st.integers(1, 5))):
-        table = draw(st.lists(blocks, min_size=2, max_size=4))
-        bias = draw(st.integers(0, len(table) - 2))
-        src_idx = draw(st.integers(0, len(table) - 1 - bias))
-        dest_idx = draw(st.integers(0, len(table) - 1))
-        reqs.append((table, src_idx, dest_idx, bias))
+    reqs = draw_requests(draw, num_blocks, max_requests=5, max_table=4)
     return seed, arenas, same_layout, num_blocks, shared, reqs
 
 
@@ -600,14 +598,7 @@ def raw_layer_batches(draw):
     temporal = (draw(st.integers(1, 3)), draw(st.sampled_from([4, 64, 128])))
     pad = draw(st.sampled_from([0, 16, 256, 768]))
     min_row = draw(st.sampled_from([1, 64, mcg.MIN_STORAGE_ROW_BYTES]))
-    blocks = st.integers(0, num_blocks - 1)
-    reqs = []
-    for _ in range(draw(st.integers(1, 6))):
-        table = draw(st.lists(blocks, min_size=2, max_size=5))
-        bias = draw(st.integers(0, len(table) - 2))
-        src_idx = draw(st.integers(0, len(table) - 1 - bias))
-        dest_idx = draw(st.integers(0, len(table) - 1))
-        reqs.append((table, src_idx, dest_idx, bias))
+    reqs = draw_requests(draw, num_blocks, max_requests=6, max_table=5)
     return seed, layers, per_raw, num_blocks, conv, temporal, pad, min_row, reqs
 
 

@@ -257,8 +257,7 @@ def test_pointer_tables_still_filled_for_ab_runs(monkeypatch, run):
         if LAYERWISE:
             per_layer = world.copy_bufs._layer_copy_metadata
             assert list(per_layer) == world.layer_names
-            if hasattr(pm, "mamba_copy_groups"):  # vectorised collection: tables filled before staging
-                pm.mamba_copy_groups.layer_tables(world.copy_bufs)
+            pm.mamba_copy_groups.layer_tables(world.copy_bufs)  # vectorised collection fills them before staging
             flat = [c for name in world.layer_names for c in zip(*per_layer[name])]
             assert sorted(flat) == sorted(world._abs())
         before = world.bytes()

@@ -38,6 +38,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vllm_ascend.worker import mamba_copy_batch as mcb
 from vllm_ascend.worker import mamba_copy_groups as mcg
 
 try:  # vLLM's own copy functions when vLLM is installed (tests/ut)
@@ -68,7 +69,8 @@ FUZZ = settings(
     max_examples=1000 if LONG else 60,
     derandomize=not LONG,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+    # the function-scoped fixtures (copy_path, op_pair) only set module constants
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int8)
 
@@ -193,7 +195,7 @@ def run_and_check(arena, layout, rows, n, check_hazards=CHECK_HAZARDS):
     pool_ids, src, dst, nbytes, groupable = rows.batch(n)
     before = arena.snapshot()
     want = oracle(before, arena.addr0(), src, dst, nbytes)
-    plan = mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=check_hazards)
+    plan = mcb.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=check_hazards)
     assert_bytes_equal(arena.snapshot(), want)
     return plan
 
@@ -210,18 +212,59 @@ def _single_layer(num_blocks=6, seed=0):
     return arena, layout
 
 
-@pytest.fixture(params=sorted(mcg.OP_PAIRS))
-def op_pair(request, monkeypatch):
-    """Every gather/scatter op pair: index_select + index_put_, and the NPU's index_select + index_copy_."""
-    monkeypatch.setattr(mcg, "DEVICE_OP_PAIR", {torch.device(DEVICE).type: request.param})
+@pytest.fixture(autouse=True)
+def indexed_copies(monkeypatch):
+    """Every group takes the gather and scatter, and every batch the per-cluster interaction
+    check, unless a test asks for the other path (copy_path)."""
+    monkeypatch.setattr(mcb, "DIRECT_MAX_PAIRS", 0)
+    monkeypatch.setattr(mcb, "CLUSTER_HAZARD_MIN_PAIRS", 2)
+    monkeypatch.setattr(mcb, "REPLICATE_MIN_PAIRS", 1 << 30)
+
+
+@pytest.fixture(params=["indexed", "direct", "replicated"])
+def copy_path(request, monkeypatch):
+    """Every way through the planner: gather + scatter per group after the per-cluster check;
+    every hazard-free pair in the one multi-tensor copy after one check over the whole batch
+    (small batches); or one plan per kind of unit, copied to the units that repeat it."""
+    if request.param == "direct":
+        monkeypatch.setattr(mcb, "DIRECT_MAX_PAIRS", 1 << 30)
+        monkeypatch.setattr(mcb, "CLUSTER_HAZARD_MIN_PAIRS", 1 << 30)
+    elif request.param == "replicated":
+        monkeypatch.setattr(mcb, "REPLICATE_MIN_PAIRS", 2)
     return request.param
 
 
-def test_same_block_conv_shift_is_a_memmove(op_pair):
+@pytest.fixture(params=sorted(mcb.OP_PAIRS))
+def op_pair(request, monkeypatch):
+    """Every gather/scatter op pair: index_select + index_put_, and the NPU's index_select + index_copy_."""
+    monkeypatch.setattr(mcb, "DEVICE_OP_PAIR", {torch.device(DEVICE).type: request.param})
+    return request.param
+
+
+def test_same_block_conv_shift_is_a_memmove(op_pair, copy_path):
     arena, layout = _single_layer()
     rows, n = collect_all(layout, [([3, 3, 3], 0, 1, 1), ([4, 2, 2], 1, 2, 0)], 8)
     plan = run_and_check(arena, layout, rows, n)
     assert plan.grouped_pairs == n and plan.ordered.size == 0
+    # the shifted pair overlaps itself: it needs the gather, never the direct copy
+    assert plan.groups and (plan.direct is None or len(plan.direct[1]) < n)
+
+
+def test_small_groups_are_copied_directly(monkeypatch):
+    """vLLM's layout at one request a step: two pairs a storage, all in one multi-tensor copy."""
+    monkeypatch.setattr(mcb, "DIRECT_MAX_PAIRS", 4)
+    monkeypatch.setattr(mcb, "CLUSTER_HAZARD_MIN_PAIRS", 1024)
+    arena = RawLayers(np.random.default_rng(21), 3, 8)
+    layout = mcg.CopyLayout({0: arena.layers})
+    rows, n = collect_all(layout, [([0, 2, 1], 0, 2, 1)], 16)  # conv 0 -> 1 shifted, temporal 2 -> 1
+    plan = check_raw_layers(arena, layout, rows, n)
+    assert plan.groups == [] and len(plan.direct[1]) == n == 6 and plan.grouped_pairs == n
+    # three requests: six pairs a storage, gathered and scattered again
+    arena = RawLayers(np.random.default_rng(22), 3, 8)
+    layout = mcg.CopyLayout({0: arena.layers})
+    rows, n = collect_all(layout, [([2 * r, 2 * r + 1, 2 * r + 1], 0, 1, r % 2) for r in range(3)], 32)
+    plan = check_raw_layers(arena, layout, rows, n)
+    assert plan.direct is None and len(plan.groups) == 3
 
 
 def test_groups_per_pool_and_shift(op_pair):
@@ -254,7 +297,7 @@ def test_groups_per_pool_and_shift(op_pair):
         [([0, 1], 0, 1, 0), ([1, 0], 0, 1, 0)],
     ],
 )
-def test_interacting_pairs_fall_back_to_ordered_copies(requests):
+def test_interacting_pairs_fall_back_to_ordered_copies(requests, copy_path):
     arena, layout = _single_layer()
     rows, n = collect_all(layout, requests, 8)
     plan = run_and_check(arena, layout, rows, n)
@@ -300,7 +343,7 @@ def test_invalid_pair_raises_before_any_copy():
     before = arena.snapshot()
     pool_ids, src, dst, nbytes, groupable = rows.batch(n)
     with pytest.raises(RuntimeError, match="Invalid Mamba state copy pointer"):
-        mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable)
+        mcb.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable)
     assert_bytes_equal(arena.snapshot(), before)
 
 
@@ -371,7 +414,7 @@ def test_vectorised_collection_equals_per_pair_collector(batch):
 
 @FUZZ
 @given(batches())
-def test_grouped_copy_equals_memmove_oracle(batch):
+def test_grouped_copy_equals_memmove_oracle(copy_path, batch):
     seed, layers, num_blocks, shared, reqs = batch
     arena = Arena(np.random.default_rng(seed), layers, num_blocks, shared)
     layout = mcg.CopyLayout({0: arena.layers})
@@ -394,7 +437,7 @@ def raw_pairs(draw):
 
 @FUZZ
 @given(raw_pairs())
-def test_planner_on_raw_pairs_equals_memmove_oracle(case):
+def test_planner_on_raw_pairs_equals_memmove_oracle(copy_path, case):
     seed, num_blocks, layers, picks = case
     rng = np.random.default_rng(seed)
     arena = Arena(rng, layers, num_blocks)
@@ -421,7 +464,7 @@ def test_planner_on_raw_pairs_equals_memmove_oracle(case):
     pool_ids, src, dst, nbytes = (np.array(x, np.int64) for x in (pool_ids, src, dst, nbytes))
     before = arena.snapshot()
     want = oracle(before, arena.addr0(), src, dst, nbytes)
-    mcg.copy_rows(pools, pool_ids, src, dst, nbytes, check_hazards=CHECK_HAZARDS)
+    mcb.copy_rows(pools, pool_ids, src, dst, nbytes, check_hazards=CHECK_HAZARDS)
     assert_bytes_equal(arena.snapshot(), want)
 
 
@@ -439,7 +482,7 @@ def multi_arena_batches(draw):
 
 @FUZZ
 @given(multi_arena_batches())
-def test_clusters_checked_once_per_relative_layout_equal_memmove_oracle(case):
+def test_clusters_checked_once_per_relative_layout_equal_memmove_oracle(copy_path, case):
     """Pools in separate allocations: hazards are found per cluster (and once per relative layout)."""
     seed, count, same_layout, num_blocks, shared, reqs = case
     arenas = [
@@ -453,7 +496,7 @@ def test_clusters_checked_once_per_relative_layout_equal_memmove_oracle(case):
         lo, hi = arena.addr0(), arena.addr0() + arena.nbytes
         mine = (dst >= lo) & (dst < hi)
         wants.append(oracle(arena.snapshot(), lo, src[mine], dst[mine], nbytes[mine]))
-    mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=CHECK_HAZARDS)
+    mcb.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=CHECK_HAZARDS)
     for arena, want in zip(arenas, wants):
         assert_bytes_equal(arena.snapshot(), want)
 
@@ -471,7 +514,7 @@ class RawLayers:
     layers share one raw tensor (one page region after the other).
     """
 
-    def __init__(self, rng, layers, num_blocks, per_raw=1, conv=(3, 128), temporal=(2, 64), pad=256):
+    def __init__(self, rng, layers, num_blocks, per_raw=1, conv=(3, 128), temporal=(2, 64), pad=256, dtypes=None):
         self.raws, self.layers = [], []
         for first in range(0, layers, per_raw):
             count = min(per_raw, layers - first)
@@ -479,6 +522,8 @@ class RawLayers:
             for _ in range(count):
                 conv_dtype = DTYPES[int(rng.integers(len(DTYPES)))]
                 temp_dtype = DTYPES[int(rng.integers(len(DTYPES) - 1))]  # 16/32-bit temporal states
+                if dtypes is not None:
+                    conv_dtype, temp_dtype = dtypes
                 conv_bytes = conv[0] * conv[1] * 2  # conv[1] counts 2-byte units whatever the dtype
                 temp_bytes = temporal[0] * temporal[1] * 4
                 parts.append((conv_dtype, temp_dtype, conv_bytes, temp_bytes, conv_bytes + temp_bytes + pad))
@@ -507,19 +552,19 @@ class RawLayers:
         return [raw.cpu().numpy().copy() for raw in self.raws]
 
 
-def check_raw_layers(arena, layout, rows, n, min_row=mcg.MIN_STORAGE_ROW_BYTES, check_hazards=CHECK_HAZARDS):
+def check_raw_layers(arena, layout, rows, n, min_row=mcb.MIN_STORAGE_ROW_BYTES, check_hazards=CHECK_HAZARDS):
     pool_ids, src, dst, nbytes, groupable = rows.batch(n)
     wants = []
     for raw, snap in zip(arena.raws, arena.snapshots()):
         lo, hi = raw.data_ptr(), raw.data_ptr() + raw.numel()
         mine = (dst >= lo) & (dst < hi)
         wants.append(oracle(snap, lo, src[mine], dst[mine], nbytes[mine]))
-    saved = mcg.MIN_STORAGE_ROW_BYTES
-    mcg.MIN_STORAGE_ROW_BYTES = min_row
+    saved = mcb.MIN_STORAGE_ROW_BYTES
+    mcb.MIN_STORAGE_ROW_BYTES = min_row
     try:
-        plan = mcg.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=check_hazards)
+        plan = mcb.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable, check_hazards=check_hazards)
     finally:
-        mcg.MIN_STORAGE_ROW_BYTES = saved
+        mcb.MIN_STORAGE_ROW_BYTES = saved
     for got, want in zip(arena.snapshots(), wants):
         assert_bytes_equal(got, want)
     return plan
@@ -537,6 +582,61 @@ def test_one_group_per_shared_storage(op_pair):
     assert len(plan.groups) == 3
     assert {g[0] for g in plan.groups} == set(range(len(layout.pools), len(layout.pools) + 3))
     assert {g[1] for g in plan.groups} == {256}
+
+
+def test_repeated_units_are_planned_once(monkeypatch):
+    """vLLM's layout: every layer's storage sees the same pairs, so one of them is planned."""
+    monkeypatch.setattr(mcb, "REPLICATE_MIN_PAIRS", 2)
+    planned = []
+    plan_pairs = mcb._plan_pairs
+    monkeypatch.setattr(
+        mcb, "_plan_pairs", lambda arrays, batch, *a: planned.append(len(batch[3])) or plan_pairs(arrays, batch, *a)
+    )
+    arena = RawLayers(np.random.default_rng(23), 4, 20, dtypes=(torch.bfloat16, torch.float32))
+    layout = mcg.CopyLayout({0: arena.layers})
+    # six independent requests, then a chain (block 14 -> 15 -> 16) that must run in order
+    reqs = [([2 * r, 2 * r + 1, 2 * r + 1], 0, 1, r % 2) for r in range(6)]
+    reqs += [([14, 15], 0, 1, 0), ([15, 16], 0, 1, 0)]
+    rows, n = collect_all(layout, reqs, 64)
+    plan = check_raw_layers(arena, layout, rows, n)
+    assert planned == [n // 4]
+    assert len(plan.groups) == 4 and {g[0] for g in plan.groups} == set(range(8, 12))
+    assert plan.ordered.size == 4 * 4  # both states of both chain pairs, in every layer
+
+
+def test_mamba_only_layout_is_planned_once():
+    """A Mamba-only layout: all conv states, then all temporal states, in one raw tensor a layer."""
+    blocks, conv_bytes, temp_bytes = 6, 3 * 256, 2 * 512
+    raws, layers = [], []
+    for li in range(3):
+        raw = torch.from_numpy(
+            np.random.default_rng(li).integers(0, 256, blocks * (conv_bytes + temp_bytes), dtype=np.uint8)
+        )
+        raw = raw.to(DEVICE)
+        conv = raw[: blocks * conv_bytes].view(torch.bfloat16).view(blocks, 3, 128)
+        temporal = raw[blocks * conv_bytes :].view(torch.float32).view(blocks, 2, 128)
+        raws.append(raw)
+        layers.append((f"layer.{li}", [conv, temporal], [get_conv_copy_spec, get_temporal_copy_spec]))
+    layout = mcg.CopyLayout({0: layers})
+    arrays = layout.pools.arrays()
+    # a layer's pools run to the end of its raw tensor: one unit a layer, all of one geometry
+    assert arrays.num_units == 3 and len(set(arrays.unit_class.tolist())) == 1
+    rows, n = collect_all(layout, [([0, 1, 1], 0, 1, 1), ([2, 3], 0, 1, 0), ([3, 4], 0, 1, 0)], 32)
+    pool_ids, src, dst, nbytes, groupable = rows.batch(n)
+    wants = [oracle(raw.cpu().numpy().copy(), raw.data_ptr(), *_mine(raw, src, dst, nbytes)) for raw in raws]
+    mcb.REPLICATE_MIN_PAIRS, saved = 2, mcb.REPLICATE_MIN_PAIRS
+    try:
+        mcb.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable)
+    finally:
+        mcb.REPLICATE_MIN_PAIRS = saved
+    for raw, want in zip(raws, wants):
+        assert_bytes_equal(raw.cpu().numpy(), want)
+
+
+def _mine(raw, src, dst, nbytes):
+    lo, hi = raw.data_ptr(), raw.data_ptr() + raw.numel()
+    mine = (dst >= lo) & (dst < hi)
+    return src[mine], dst[mine], nbytes[mine]
 
 
 def test_short_storage_rows_keep_per_pool_groups():
@@ -559,7 +659,7 @@ def test_short_storage_rows_keep_per_pool_groups():
         [([0, 1, 1], 0, 1, 0), ([1, 0, 0], 0, 1, 0)],
     ],
 )
-def test_interacting_pairs_in_a_shared_storage(requests):
+def test_interacting_pairs_in_a_shared_storage(requests, copy_path):
     arena = RawLayers(np.random.default_rng(13), 2, 4, per_raw=2)
     layout = mcg.CopyLayout({0: arena.layers})
     rows, n = collect_all(layout, requests, 16)
@@ -597,24 +697,26 @@ def raw_layer_batches(draw):
     conv = (draw(st.integers(2, 4)), draw(st.sampled_from([8, 64, 128, 384])))
     temporal = (draw(st.integers(1, 3)), draw(st.sampled_from([4, 64, 128])))
     pad = draw(st.sampled_from([0, 16, 256, 768]))
-    min_row = draw(st.sampled_from([1, 64, mcg.MIN_STORAGE_ROW_BYTES]))
+    min_row = draw(st.sampled_from([1, 64, mcb.MIN_STORAGE_ROW_BYTES]))
+    # one dtype pair for every layer: their storages repeat each other (the replicated plan)
+    dtypes = draw(st.sampled_from([None, (torch.bfloat16, torch.float32), (torch.int8, torch.float16)]))
     reqs = draw_requests(draw, num_blocks, max_requests=6, max_table=5)
-    return seed, layers, per_raw, num_blocks, conv, temporal, pad, min_row, reqs
+    return seed, layers, per_raw, num_blocks, conv, temporal, pad, min_row, dtypes, reqs
 
 
 @FUZZ
 @given(raw_layer_batches())
-def test_shared_storage_groups_equal_memmove_oracle(case):
-    seed, layers, per_raw, num_blocks, conv, temporal, pad, min_row, reqs = case
-    arena = RawLayers(np.random.default_rng(seed), layers, num_blocks, per_raw, conv, temporal, pad)
+def test_shared_storage_groups_equal_memmove_oracle(copy_path, case):
+    seed, layers, per_raw, num_blocks, conv, temporal, pad, min_row, dtypes, reqs = case
+    arena = RawLayers(np.random.default_rng(seed), layers, num_blocks, per_raw, conv, temporal, pad, dtypes)
     layout = mcg.CopyLayout({0: arena.layers})
     rows, n = collect_all(layout, reqs, 2 * layers * len(reqs))
     check_raw_layers(arena, layout, rows, n, min_row)
 
 
 @FUZZ
-@given(raw_pairs(), st.sampled_from([1, 8, mcg.MIN_STORAGE_ROW_BYTES]))
-def test_raw_pairs_grouped_per_storage_equal_memmove_oracle(case, min_row):
+@given(raw_pairs(), st.sampled_from([1, 8, mcb.MIN_STORAGE_ROW_BYTES]))
+def test_raw_pairs_grouped_per_storage_equal_memmove_oracle(copy_path, case, min_row):
     """Arbitrary copies over pools of one buffer (crossing states and pages), grouped per storage."""
     seed, num_blocks, layers, picks = case
     arena = Arena(np.random.default_rng(seed), layers, num_blocks)
@@ -635,9 +737,9 @@ def test_raw_pairs_grouped_per_storage_equal_memmove_oracle(case, min_row):
     rows.groupable[:] = True
     pool_ids, src, dst, nbytes, groupable = rows.batch(len(picks))
     want = oracle(arena.snapshot(), arena.addr0(), src, dst, nbytes)
-    saved, mcg.MIN_STORAGE_ROW_BYTES = mcg.MIN_STORAGE_ROW_BYTES, min_row
+    saved, mcb.MIN_STORAGE_ROW_BYTES = mcb.MIN_STORAGE_ROW_BYTES, min_row
     try:
-        mcg.copy_rows(pools, pool_ids, src, dst, nbytes, groupable, check_hazards=CHECK_HAZARDS)
+        mcb.copy_rows(pools, pool_ids, src, dst, nbytes, groupable, check_hazards=CHECK_HAZARDS)
     finally:
-        mcg.MIN_STORAGE_ROW_BYTES = saved
+        mcb.MIN_STORAGE_ROW_BYTES = saved
     assert_bytes_equal(arena.snapshot(), want)

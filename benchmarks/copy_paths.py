@@ -8,12 +8,14 @@ Backends (one batch = every copy of one align-mode step):
   unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
   memmove      batch_memmove (this fork): overlap-safe, tiled, one launch
-  torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
+  torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_batch.py,
                imported from the tree): pairs grouped per storage (a layer's conv and temporal views
                of one raw tensor) or per pool (separate allocations), all shifts in one row-level
-               group, one index_select + index_copy_ each, interacting pairs copied per pair in order
+               group, one index_select + index_copy_ each; groups of at most 4 pairs (one or two
+               requests a step) all in one torch._foreach_copy_; interacting pairs copied per pair in order
   torch_index_put  the same with index_put_ as the scatter (comparison)
   torch_per_pool   the same with one group per pool, never per storage (comparison)
+  torch_indexed    the same without the direct path: small groups gathered and scattered too (comparison)
   torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
 Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
@@ -152,16 +154,16 @@ class Batch:
         self.pairs = len(sizes)
         self.copy_rows = None
 
-    def grouped_rows(self, mcg):
+    def grouped_rows(self, mcb):
         """The same pairs as pool ids + addresses for the grouped copy (built once, like the collector's rows)."""
         if self.copy_rows is None:
-            pools = mcg.PoolTable()
+            pools = mcb.PoolTable()
             index = {}
             pool_ids = []
             for layer, (conv, temporal) in enumerate(self.pools):
                 for state in (conv, temporal):
                     index[id(state)] = len(pools)
-                    pools.append(mcg.StatePool(state))
+                    pools.append(mcb.StatePool(state))
             for layer, (conv, temporal) in enumerate(self.pools):
                 for _ in range(len(self.views) // (2 * len(self.pools))):
                     pool_ids += [index[id(conv)], index[id(temporal)]]
@@ -193,31 +195,34 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
 
         return run
 
-    mcg = kernels["copy_groups"]
+    mcb = kernels["copy_batch"]
 
     def torch_grouped(b):
-        pools, pool_ids, src, dst, nbytes, groupable = b.grouped_rows(mcg)
-        mcg.copy_rows(pools, pool_ids, src, dst, nbytes, groupable)
+        pools, pool_ids, src, dst, nbytes, groupable = b.grouped_rows(mcb)
+        mcb.copy_rows(pools, pool_ids, src, dst, nbytes, groupable)
 
     def torch_grouped_with(op_pair):
         def run(b):
-            saved = mcg.DEVICE_OP_PAIR
-            mcg.DEVICE_OP_PAIR = {b.src_ptrs.device.type: op_pair}
+            saved = mcb.DEVICE_OP_PAIR
+            mcb.DEVICE_OP_PAIR = {b.src_ptrs.device.type: op_pair}
             try:
                 torch_grouped(b)
             finally:
-                mcg.DEVICE_OP_PAIR = saved
+                mcb.DEVICE_OP_PAIR = saved
 
         return run
 
-    def torch_per_pool(b):
-        # The planner with grouping per storage switched off: one group per pool (comparison).
-        saved = mcg.MIN_STORAGE_ROW_BYTES
-        mcg.MIN_STORAGE_ROW_BYTES = 1 << 62
-        try:
-            torch_grouped(b)
-        finally:
-            mcg.MIN_STORAGE_ROW_BYTES = saved
+    def torch_with(name, value):
+        # The planner with one module constant changed (comparison rows).
+        def run(b):
+            saved = getattr(mcb, name)
+            setattr(mcb, name, value)
+            try:
+                torch_grouped(b)
+            finally:
+                setattr(mcb, name, saved)
+
+        return run
 
     def torch_clone(b):
         for s, d in b.views:
@@ -240,7 +245,14 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
             torch_grouped_with("index_put"),
             {"path": "mamba_copy_groups.copy_rows", "op_pair": "index_select + index_put_ (comparison)"},
         ),
-        "torch_per_pool": (torch_per_pool, {"path": "mamba_copy_groups.copy_rows, per-pool groups (comparison)"}),
+        "torch_per_pool": (
+            torch_with("MIN_STORAGE_ROW_BYTES", 1 << 62),
+            {"path": "mamba_copy_groups.copy_rows, per-pool groups (comparison)"},
+        ),
+        "torch_indexed": (
+            torch_with("DIRECT_MAX_PAIRS", 0),
+            {"path": "mamba_copy_groups.copy_rows, every group gathered and scattered (comparison)"},
+        ),
         "torch_clone": (torch_clone, {}),
         "torch_copy": (torch_copy, {}),
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
@@ -324,7 +336,7 @@ def check_backend(torch, fn, batch) -> bool:
     return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for s, d in ref)
 
 
-def host_cost(torch, requests=64, layers=36, reps=3, mcg=None, layout="separate"):
+def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separate"):
     """us per pair spent collecting copy metadata on the host, CPU tensors, collector-like loops."""
     blocks = 2 * requests + 2
     # torch.empty: pages are never touched, only addresses are computed.
@@ -394,7 +406,8 @@ def host_cost(torch, requests=64, layers=36, reps=3, mcg=None, layout="separate"
     # The real collectors over the same layout, with models of vLLM's two copy functions:
     # upstream's per-pair loop and the fork's vectorised collect_request.
     out_extra = {}
-    if mcg is not None:
+    if kernels is not None:
+        mcg, mcb = kernels["copy_groups"], kernels["copy_batch"]
         mcg.register_copy_func(conv_copy_spec, mcg.OFFSET_KIND)
         mcg.register_copy_func(temporal_copy_spec, mcg.INDEX_KIND)
         funcs = (conv_copy_spec, temporal_copy_spec)
@@ -426,7 +439,7 @@ def host_cost(torch, requests=64, layers=36, reps=3, mcg=None, layout="separate"
 
         def plan_grouped():
             pool_ids, src, dst, nbytes, groupable = rows.batch(n)
-            mcg.plan_copies(layout.pools, pool_ids, src, dst, nbytes, groupable)
+            mcb.plan_copies(layout.pools, pool_ids, src, dst, nbytes, groupable)
             return n
 
         vectorised_collector()
@@ -523,14 +536,14 @@ def run(args):
             torch.cuda.empty_cache()
     if not args.no_host:
         host_meta = {"device": "host cpu", "versions": meta["versions"], "date": meta["date"]}
-        records += host_records(torch, kernels["copy_groups"], args.layouts, host_meta, 2 if smoke else 64, layers)
+        records += host_records(torch, kernels, args.layouts, host_meta, 2 if smoke else 64, layers)
     return records
 
 
-def host_records(torch, mcg, layouts, meta, requests=64, layers=LAYERS, reps=3):
+def host_records(torch, kernels, layouts, meta, requests=64, layers=LAYERS, reps=3):
     records = []
     for layout in layouts.split(","):
-        for name, vals in host_cost(torch, requests, layers, reps, mcg, layout).items():
+        for name, vals in host_cost(torch, requests, layers, reps, kernels, layout).items():
             records.append({"backend": f"host_{name}", "kind": "host", "layout": layout, **vals, **meta})
             print(
                 f"host {name:>20} {layout:>8}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step "
@@ -606,7 +619,7 @@ def main(argv=None):
         import torch
 
         meta = {"device": "host cpu", "versions": common.versions(), "date": common.now()}
-        records = host_records(torch, kernels["copy_groups"], args.layouts, meta, reps=5)
+        records = host_records(torch, kernels, args.layouts, meta, reps=5)
     else:
         records = run(args)
     if args.json:

@@ -241,13 +241,14 @@ class PoolTable(list):
 
 class PoolArrays:
     """Per-pool arrays, the copy targets (the pools, then one whole-storage pool per shared storage)
-    and the replication units.
+    and where each target stands in its cluster.
 
     ``storage[i]`` is the target id of pool ``i``'s storage when other pools
-    (of the same device) share it, else -1. The units are the clusters.
-    Units with the same geometry (``unit_class``) have their targets at the
-    same positions: ``target_at[u, target_pos[t]]`` is the target of unit
-    ``u`` that stands where target ``t`` stands in its own unit.
+    (of the same device) share it, else -1. A pool's range runs to the end of
+    its storage, so the pools of one storage are one cluster and no target
+    spans two. Clusters of one geometry (``cluster_kind``) have their targets
+    at the same positions: ``target_at[c, target_pos[t]]`` is the target of
+    cluster ``c`` that stands where target ``t`` stands in its own cluster.
     """
 
     def __init__(self, pools: Sequence[StatePool]):
@@ -271,44 +272,37 @@ class PoolArrays:
         self._positions(pools)
 
     def _positions(self, pools: Sequence[StatePool]) -> None:
-        # A pool's range runs to the end of its storage, so the pools of one storage are one
-        # cluster: clusters are the units, and no target spans two.
-        self.unit, self.unit_base, self.num_units = self.cluster, self.cluster_base, len(self.cluster_base)
-        # Positions: a unit's pools by (offset, size, element size), then its storages by offset.
+        # A cluster's pools by (offset, size, element size), then its storages by offset.
         n_targets = len(self.targets)
-        target_unit = np.zeros(n_targets, dtype=np.int64)
-        target_unit[: len(pools)] = self.unit
+        self.target_cluster = np.zeros(n_targets, dtype=np.int64)
+        self.target_cluster[: len(pools)] = self.cluster
         for i, t in enumerate(self.storage.tolist()):
             if t >= 0:
-                target_unit[t] = self.unit[i]
+                self.target_cluster[t] = self.cluster[i]
+        members: list[list[int]] = [[] for _ in self.cluster_base]
+        for t, c in enumerate(self.target_cluster.tolist()):
+            members[c].append(t)
         self.target_pos = np.zeros(n_targets, dtype=np.int64)
-        signatures: dict[tuple, int] = {}
-        self.unit_class = np.zeros(self.num_units, dtype=np.int64)
-        members = [[] for _ in range(self.num_units)]
-        self.target_unit = target_unit
-        for t, u in enumerate(target_unit.tolist()):
-            members[u].append(t)
-        width = max(len(m) for m in members) if members else 0
-        self.target_at = np.full((self.num_units, width), -1, dtype=np.int64)
-        for u, ts in enumerate(members):
-            ub = int(self.unit_base[u])
-            ts.sort(key=lambda t: (t >= len(pools), self._geometry(t, ub, pools)))
-            for pos, t in enumerate(ts):
-                self.target_pos[t] = pos
-                self.target_at[u, pos] = t
-            sig = tuple(self._geometry(t, ub, pools) for t in ts)
-            self.unit_class[u] = signatures.setdefault(sig, len(signatures))
+        self.target_at = np.full((len(members), max(map(len, members), default=0)), -1, dtype=np.int64)
+        self.cluster_kind = np.zeros(len(members), dtype=np.int64)
+        kinds: dict[tuple, int] = {}
+        for c, ts in enumerate(members):
+            geometry = {t: self._geometry(t, int(self.cluster_base[c]), len(pools)) for t in ts}
+            ts.sort(key=lambda t: (t >= len(pools), geometry[t]))
+            self.target_pos[ts] = np.arange(len(ts))
+            self.target_at[c, : len(ts)] = ts
+            self.cluster_kind[c] = kinds.setdefault(tuple(geometry[t] for t in ts), len(kinds))
         self.pool_pos = self.target_pos[: len(pools)]
 
-    def _geometry(self, t: int, unit_base: int, pools: Sequence[StatePool]) -> tuple:
-        """What the planner reads of target ``t``, relative to its unit's base."""
+    def _geometry(self, t: int, cluster_base: int, num_pools: int) -> tuple:
+        """What the planner reads of target ``t``, relative to its cluster's base."""
         target = self.targets[t]
-        if t >= len(pools):
-            return (int(self.t_base[t]) - unit_base, target.nbytes, int(self.max_unit[t]), str(target.device))
+        if t >= num_pools:
+            return (int(self.t_base[t]) - cluster_base, target.nbytes, int(self.max_unit[t]), str(target.device))
         shared = int(self.storage[t])
-        storage_at = -1 if shared < 0 else int(self.t_base[shared]) - unit_base
+        storage_at = -1 if shared < 0 else int(self.t_base[shared]) - cluster_base
         return (
-            target.base - unit_base,
+            target.base - cluster_base,
             target.nbytes,
             target.esize,
             storage_at,
@@ -430,7 +424,7 @@ def plan_copies(
     check_hazards: bool = True,
     max_group_bytes: int = MAX_GROUP_BYTES,
 ) -> CopyPlan:
-    """Split a batch of byte copies into one group per storage (or pool) and ordered per-pair copies.
+    """Split a batch of byte copies into groups (one per storage or pool), direct pairs and ordered pairs.
 
     ``pool_ids[i]`` names the pool (index into ``pools``) pair ``i`` lives in;
     ``src``/``dst`` are absolute addresses, ``nbytes`` sizes. ``groupable``
@@ -444,7 +438,10 @@ def plan_copies(
     (conv and temporal views of one raw KV-cache tensor) form one group based
     at the storage's start, unless its row would be shorter than
     ``MIN_STORAGE_ROW_BYTES`` or a pair longer than ``MAX_ROWS_PER_PAIR`` rows:
-    then each of its pools is a group.
+    then each of its pools is a group. The pairs of a group of at most
+    ``DIRECT_MAX_PAIRS`` pairs, none overlapping itself, are direct pairs
+    instead. From ``REPLICATE_MIN_PAIRS`` pairs on, clusters that repeat one
+    another are planned once (``_replicated_plan``).
     """
     pool_ids = np.asarray(pool_ids, dtype=np.int64)
     src = np.asarray(src, dtype=np.int64)
@@ -454,7 +451,7 @@ def plan_copies(
         groupable = np.asarray(groupable, dtype=bool)
     arrays = pools.arrays() if isinstance(pools, PoolTable) else PoolArrays(pools)
     batch = (pool_ids, src, dst, nbytes, groupable)
-    if len(nbytes) >= REPLICATE_MIN_PAIRS and arrays.num_units > 1:
+    if len(nbytes) >= REPLICATE_MIN_PAIRS and len(arrays.cluster_base) > 1:
         plan = _replicated_plan(arrays, batch, check_hazards, max_group_bytes)
         if plan is not None:
             return plan
@@ -462,61 +459,45 @@ def plan_copies(
 
 
 def _replicated_plan(arrays: PoolArrays, batch, check_hazards: bool, max_group_bytes: int) -> CopyPlan | None:
-    """Plan one unit of each kind and copy its plan to the others, or None when no two units repeat.
+    """Plan one cluster of each kind and copy its plan to the others, or None when no two clusters repeat.
 
     The layers of a KV-cache group share block ids, so every layer's storage
-    (a unit) usually sees the same pairs at the same offsets: units with the
-    same geometry and the same relative pairs get the same groups, rows and
-    fallbacks, only on their own targets.
+    (a cluster) usually sees the same pairs at the same offsets: clusters of
+    one geometry with the same relative pairs get the same groups, rows and
+    fallbacks, each on its own targets.
     """
     pool_ids, src, dst, nbytes, groupable = batch
     n = len(nbytes)
-    unit = arrays.unit[pool_ids]
-    counts = np.bincount(unit, minlength=arrays.num_units)
+    cluster = arrays.cluster[pool_ids]
+    counts = np.bincount(cluster, minlength=len(arrays.cluster_base))
     used = np.flatnonzero(counts)
     m = int(counts[used[0]])
     if used.size < 2 or (counts[used] != m).any():
         return None
-    keys = unit.astype(np.uint16) if arrays.num_units < 2**16 else unit
-    order = np.argsort(keys, kind="stable").reshape(used.size, m)  # row r: unit used[r]'s pairs, in pair order
-    u_base = arrays.unit_base[used][:, None]
+    keys = cluster.astype(np.uint16) if len(arrays.cluster_base) < 2**16 else cluster
+    order = np.argsort(keys, kind="stable").reshape(used.size, m)  # row r: cluster used[r]'s pairs, in order
+    base = arrays.cluster_base[used][:, None]
     flags = np.ones((used.size, m), dtype=np.int64) if groupable is None else groupable[order]
-    inverse, first = _unique_rows(
-        np.concatenate(
-            (
-                src[order] - u_base,
-                dst[order] - u_base,
-                nbytes[order],
-                arrays.pool_pos[pool_ids[order]],
-                flags,
-                arrays.unit_class[used][:, None],
-            ),
-            1,
-        )
-    )
+    pattern = (src[order] - base, dst[order] - base, nbytes[order], arrays.pool_pos[pool_ids[order]], flags)
+    inverse, first = _unique_rows(np.concatenate((*pattern, arrays.cluster_kind[used][:, None]), 1))
     first = np.asarray(first)
     if first.size == used.size:
         return None
     chosen = np.sort(order[first].reshape(-1))
-    plan = _plan_pairs(
-        arrays,
-        tuple(None if x is None else x[chosen] for x in batch),
-        check_hazards,
-        max_group_bytes,
-    )
-    # Units of each kind: the chosen unit's targets stand at the same positions in the others.
-    kind_of_unit = np.full(arrays.num_units, -1, dtype=np.int64)
-    kind_of_unit[used[first]] = np.arange(first.size)
+    plan = _plan_pairs(arrays, tuple(None if x is None else x[chosen] for x in batch), check_hazards, max_group_bytes)
+    # Row k of `first` stands for the clusters `members[k]`: its targets' copies stand at the same positions.
+    kind_of = np.full(len(arrays.cluster_base), -1, dtype=np.int64)
+    kind_of[used[first]] = np.arange(first.size)
     members = [used[inverse == k] for k in range(first.size)]
 
-    def copies(targets_of_chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(target ids, index into the argument) of every unit's copy of each chosen target."""
-        kinds = kind_of_unit[arrays.target_unit[targets_of_chosen]]
+    def copies(chosen_targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(target ids, index into the argument) of every cluster's copy of each chosen target."""
+        kinds = kind_of[arrays.target_cluster[chosen_targets]]
         ids, which = [], []
         for k in range(first.size):
             at = np.flatnonzero(kinds == k)
             if at.size:
-                ids.append(arrays.target_at[members[k]][:, arrays.target_pos[targets_of_chosen[at]]].reshape(-1))
+                ids.append(arrays.target_at[members[k]][:, arrays.target_pos[chosen_targets[at]]].reshape(-1))
                 which.append(np.tile(at, members[k].size))
         return np.concatenate(ids), np.concatenate(which)
 
@@ -531,7 +512,7 @@ def _replicated_plan(arrays: PoolArrays, batch, check_hazards: bool, max_group_b
         direct = (size, ids.tolist(), *(np.array(x)[which].tolist() for x in (d_src, d_dst, d_len)))
     ordered = plan.ordered
     if ordered.size:
-        # A chosen pair at column c of its unit stands for column c of every unit of its kind.
+        # A chosen pair at column c of its cluster stands for column c of every cluster of its kind.
         where = np.empty(n, dtype=np.int64)
         where[order.reshape(-1)] = np.arange(n)
         row, col = np.divmod(where[chosen[ordered]], m)
@@ -783,21 +764,9 @@ def run_copies(
         dst_view.copy_(src_view.clone())
 
 
-def copy_rows(
-    pools: Sequence[StatePool],
-    pool_ids: np.ndarray,
-    src: np.ndarray,
-    dst: np.ndarray,
-    nbytes: np.ndarray,
-    groupable: np.ndarray | None = None,
-    *,
-    check_hazards: bool = True,
-) -> CopyPlan:
-    """Copy a batch with the semantics of per-pair memmoves in pair order."""
-    pool_ids = np.asarray(pool_ids, dtype=np.int64)
-    src = np.asarray(src, dtype=np.int64)
-    dst = np.asarray(dst, dtype=np.int64)
-    nbytes = np.asarray(nbytes, dtype=np.int64)
-    plan = plan_copies(pools, pool_ids, src, dst, nbytes, groupable, check_hazards=check_hazards)
-    run_copies(pools, plan, pool_ids, src, dst, nbytes)
+def copy_rows(pools: Sequence[StatePool], pool_ids, src, dst, nbytes, groupable=None, **options) -> CopyPlan:
+    """Copy a batch with the semantics of per-pair memmoves in pair order: ``plan_copies``, then ``run_copies``."""
+    pairs = [np.asarray(x, dtype=np.int64) for x in (pool_ids, src, dst, nbytes)]
+    plan = plan_copies(pools, *pairs, groupable, **options)
+    run_copies(pools, plan, *pairs)
     return plan

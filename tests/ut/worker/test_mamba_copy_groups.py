@@ -620,7 +620,7 @@ def test_mamba_only_layout_is_planned_once():
     layout = mcg.CopyLayout({0: layers})
     arrays = layout.pools.arrays()
     # a layer's pools run to the end of its raw tensor: one unit a layer, all of one geometry
-    assert arrays.num_units == 3 and len(set(arrays.unit_class.tolist())) == 1
+    assert len(arrays.cluster_base) == 3 and len(set(arrays.cluster_kind.tolist())) == 1
     rows, n = collect_all(layout, [([0, 1, 1], 0, 1, 1), ([2, 3], 0, 1, 0), ([3, 4], 0, 1, 0)], 32)
     pool_ids, src, dst, nbytes, groupable = rows.batch(n)
     wants = [oracle(raw.cpu().numpy().copy(), raw.data_ptr(), *_mine(raw, src, dst, nbytes)) for raw in raws]

@@ -529,17 +529,8 @@ def _plan_pairs(arrays: PoolArrays, batch, check_hazards: bool, max_group_bytes:
     pool_ids, src, dst, nbytes, groupable = batch
     n = len(nbytes)
     live = nbytes > 0
-    a = arrays
-    base, pool_bytes, esize, one_device = a.base, a.nbytes, a.esize, a.one_device
-    cluster, cluster_base, storage, targets, t_base, max_unit = (
-        a.cluster,
-        a.cluster_base,
-        a.storage,
-        a.targets,
-        a.t_base,
-        a.max_unit,
-    )
-    p_base, p_bytes, p_esize = base[pool_ids], pool_bytes[pool_ids], esize[pool_ids]
+    storage, targets, t_base, max_unit = arrays.storage, arrays.targets, arrays.t_base, arrays.max_unit
+    p_base, p_bytes, p_esize = arrays.base[pool_ids], arrays.nbytes[pool_ids], arrays.esize[pool_ids]
     rel_s, rel_d = src - p_base, dst - p_base
     # The per-pair view's checks: inside the pool's storage, whole elements
     # (element sizes are powers of two). A live pair failing them raises
@@ -554,7 +545,7 @@ def _plan_pairs(arrays: PoolArrays, batch, check_hazards: bool, max_group_bytes:
             # clusters. Live pairs outside their pool only make others fall back: they raise.
             ok &= ~find_hazards(src, dst, nbytes)
         else:
-            ok &= ~_hazards_by_cluster(cluster[pool_ids], cluster_base, src, dst, nbytes, inside)
+            ok &= ~_hazards_by_cluster(arrays.cluster[pool_ids], arrays.cluster_base, src, dst, nbytes, inside)
     sel = np.flatnonzero(ok)
     groups: list[tuple[int, int, int, int, int, int, int]] = []
     empty = np.zeros(0, dtype=np.int64)
@@ -610,7 +601,7 @@ def _plan_pairs(arrays: PoolArrays, batch, check_hazards: bool, max_group_bytes:
     if small.any():
         direct = _direct_pairs(np.repeat(small, counts), g_pool, g_s, g_d, g_n, max_unit)
         if small.all():
-            return CopyPlan(groups, ordered, n, int(sel.size), empty, [], targets, one_device, direct)
+            return CopyPlan(groups, ordered, n, int(sel.size), empty, [], targets, arrays.one_device, direct)
         starts, counts, row_bytes, unit, g_rows = (x[~small] for x in (starts, counts, row_bytes, unit, g_rows))
     # Index parts: the row indices of a part are uploaded once and shared by every
     # group with the same pairs in rows (the layers of a KV-cache group share block
@@ -657,7 +648,7 @@ def _plan_pairs(arrays: PoolArrays, batch, check_hazards: bool, max_group_bytes:
     # Source rows of every part, then destination rows: one transfer, one split.
     index_host = np.concatenate([s for s, _ in parts] + [d for _, d in parts]) if parts else empty
     sizes = [len(s) for s, _ in parts] * 2
-    return CopyPlan(groups, ordered, n, int(sel.size), index_host, sizes, targets, one_device, direct)
+    return CopyPlan(groups, ordered, n, int(sel.size), index_host, sizes, targets, arrays.one_device, direct)
 
 
 def _direct_pairs(on, g_pool, g_s, g_d, g_n, max_unit) -> tuple:

@@ -5,7 +5,7 @@ machinery. The kernel modules themselves only need `vllm.triton_utils`
 (`tl`, `triton`) and torch. `register_tree()` puts light package objects for
 `vllm_ascend`, `vllm_ascend.ops`, `vllm_ascend.ops.triton` and
 `vllm_ascend.ops.triton.mamba` and `vllm_ascend.worker` (for the torch-only
-copy module `mamba_copy_groups`) into `sys.modules`, whose `__path__` lists the
+copy modules `mamba_copy_groups` and `mamba_copy_batch`) into `sys.modules`, whose `__path__` lists the
 real directories of the tree(s) under test, so `import
 vllm_ascend.ops.triton.batch_memmove` loads just that file.
 

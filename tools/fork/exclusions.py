@@ -1,4 +1,4 @@
-"""Read .ci/ut-exclusions.txt, the paths upstream routes to NPU runners, and match them in a tree."""
+"""Read .ci/ut-exclusions.txt (what upstream routes to NPU runners, upstream tests that hang) and match it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ EXCLUSIONS_FILE = ".ci/ut-exclusions.txt"
 
 @dataclass(frozen=True)
 class Exclusion:
-    pattern: str  # a path relative to the tree, may hold glob wildcards (`**` for any depth)
+    # a path relative to the tree, may hold glob wildcards (`**` for any depth); or a pytest node id
+    # prefix `path::name` (its path without wildcards), deselected rather than ignored
+    pattern: str
     reason: str
     lineno: int
 
@@ -45,6 +47,10 @@ def resolve_exclusions(exclusions: list[Exclusion], tree: Path) -> list[tuple[Ex
     """Each exclusion with the paths (relative, posix) it matches in `tree`; a trailing `/` means directories."""
     resolved = []
     for ex in exclusions:
+        path, sep, node = ex.pattern.partition("::")
+        if sep:
+            resolved.append((ex, [ex.pattern] if (tree / path).is_file() else []))
+            continue
         pattern = ex.pattern.rstrip("/")
         matches = sorted(
             p.relative_to(tree).as_posix() for p in tree.glob(pattern) if not ex.pattern.endswith("/") or p.is_dir()
@@ -61,7 +67,7 @@ def load_exclusions(root: Path) -> list[Exclusion]:
 
 
 def ignored_paths(resolved: list[tuple[Exclusion, list[str]]]) -> list[str]:
-    """Every path the resolved exclusions match, sorted, once each (pytest's --ignore list)."""
+    """Every path (or node id) the resolved exclusions match, sorted, once each (pytest's --ignore / --deselect)."""
     return sorted({p for _, paths in resolved for p in paths})
 
 

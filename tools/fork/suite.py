@@ -34,7 +34,7 @@ def ut_pytest_args(ignores: list[str], keyword: str | None, extra: list[str]) ->
     extra = [a for a in extra if a != "--"]
     targets = [a for a in extra if not a.startswith("-") and a.startswith(UT_DIR)]
     args = [] if targets else [UT_DIR]
-    args += [f"--ignore={p}" for p in ignores]
+    args += [f"--deselect={p}" if "::" in p else f"--ignore={p}" for p in ignores]
     if keyword:
         args += ["-k", keyword]
     return args + extra

@@ -146,7 +146,7 @@ def run(args, cfg) -> int:
     if args.bisect:
         return bisect(cfg, tenv, base, ignores, source)
     pytest_args = ut_pytest_args(ignores, args.keyword, args.pytest_args or [])
-    print(f"fork test: excluding {len(ignores)} path(s) routed to NPU runners ({EXCLUSIONS_FILE})")
+    print(f"fork test: excluding {len(ignores)} path(s) or test(s) ({EXCLUSIONS_FILE})")
 
     # c. the base (cached) and the fork
     cache = base_cache_path(tenv, version, base.sha256, pytest_args)

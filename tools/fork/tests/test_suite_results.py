@@ -87,6 +87,17 @@ def test_exclusion_with_trailing_slash_matches_directories_only(tmp_path):
     assert exclusions.resolve_exclusions(ex, tmp_path)[0][1] == ["tests/ut/m/a2"]
 
 
+def test_node_id_exclusion_is_deselected_where_its_file_exists(tmp_path):
+    """An upstream test that can hang: deselected by node id, the rest of its file still runs."""
+    _touch(tmp_path, "tests/ut/d/test_x.py")
+    ex = exclusions.parse_exclusions("tests/ut/d/test_x.py::test_hangs # a race\ntests/ut/e/test_y.py::t # gone\n")
+    resolved = exclusions.resolve_exclusions(ex, tmp_path)
+    assert [paths for _, paths in resolved] == [["tests/ut/d/test_x.py::test_hangs"], []]
+    ignores = exclusions.ignored_paths(resolved)
+    assert suite.ut_pytest_args(ignores, None, []) == ["tests/ut", "--deselect=tests/ut/d/test_x.py::test_hangs"]
+    assert not exclusions.is_excluded("tests/ut/d/test_x.py", ignores)
+
+
 # --- junit XML -> results per test id -----------------------------------------------------
 
 _SAMPLE_TESTS = {

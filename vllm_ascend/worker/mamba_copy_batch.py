@@ -360,8 +360,8 @@ def _hazards_by_cluster(cluster, cluster_base, src, dst, nbytes, inside) -> np.n
     """``find_hazards`` over the pairs marked ``inside`` (each inside its pool's storage), cluster by cluster.
 
     Pairs are compared in addresses relative to their cluster, and clusters
-    with the same relative pairs (the layers of a KV-cache group share block
-    ids) are checked once.
+    with the same relative pairs are checked once. (A batch whose clusters
+    repeat one another does not come here: ``_replicated_plan`` plans one.)
     """
     hazard = np.zeros(len(nbytes), dtype=bool)
     idx = np.flatnonzero(inside)
@@ -375,18 +375,6 @@ def _hazards_by_cluster(cluster, cluster_base, src, dst, nbytes, inside) -> np.n
     offset = cluster_base[c]
     rel_s, rel_d, size = src[idx] - offset, dst[idx] - offset, nbytes[idx]
     edges = np.flatnonzero(c[1:] != c[:-1]) + 1
-    m = int(edges[0]) if edges.size else idx.size
-    if m >= 2 and idx.size == m * (edges.size + 1) and (edges == np.arange(1, edges.size + 1) * m).all():
-        # Every cluster has m pairs (the usual batch): dedupe their relative pairs as matrix rows.
-        inverse, first = _unique_rows(
-            np.concatenate((rel_s.reshape(-1, m), rel_d.reshape(-1, m), size.reshape(-1, m)), 1)
-        )
-        found = np.stack(
-            [find_hazards(rel_s[f * m : f * m + m], rel_d[f * m : f * m + m], size[f * m : f * m + m]) for f in first]
-        )
-        if found.any():
-            hazard[idx] = found[inverse].reshape(-1)
-        return hazard
     bounds = [0, *edges.tolist(), idx.size]
     seen: dict[bytes, np.ndarray | None] = {}
     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -403,7 +391,7 @@ def _hazards_by_cluster(cluster, cluster_base, src, dst, nbytes, inside) -> np.n
     return hazard
 
 
-# Batches of at least this many pairs are planned once per kind of unit (see _replicated_plan).
+# Batches of at least this many pairs are planned once per kind of cluster (see _replicated_plan).
 REPLICATE_MIN_PAIRS = 1024
 # Batches of at least this many pairs are checked for interactions cluster by cluster.
 CLUSTER_HAZARD_MIN_PAIRS = 1024

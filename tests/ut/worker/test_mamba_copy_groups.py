@@ -604,39 +604,30 @@ def test_repeated_units_are_planned_once(monkeypatch):
     assert plan.ordered.size == 4 * 4  # both states of both chain pairs, in every layer
 
 
-def test_mamba_only_layout_is_planned_once():
-    """A Mamba-only layout: all conv states, then all temporal states, in one raw tensor a layer."""
-    blocks, conv_bytes, temp_bytes = 6, 3 * 256, 2 * 512
-    raws, layers = [], []
-    for li in range(3):
-        raw = torch.from_numpy(
-            np.random.default_rng(li).integers(0, 256, blocks * (conv_bytes + temp_bytes), dtype=np.uint8)
-        )
-        raw = raw.to(DEVICE)
-        conv = raw[: blocks * conv_bytes].view(torch.bfloat16).view(blocks, 3, 128)
-        temporal = raw[blocks * conv_bytes :].view(torch.float32).view(blocks, 2, 128)
-        raws.append(raw)
-        layers.append((f"layer.{li}", [conv, temporal], [get_conv_copy_spec, get_temporal_copy_spec]))
-    layout = mcg.CopyLayout({0: layers})
+class MambaOnlyLayers(RawLayers):
+    """A Mamba-only model's layout: one raw byte tensor a layer, all conv states, then all temporal states."""
+
+    def __init__(self, layers, num_blocks, conv_bytes=3 * 256, temp_bytes=2 * 512):
+        self.raws, self.layers = [], []
+        for li in range(layers):
+            raw = torch.from_numpy(
+                np.random.default_rng(li).integers(0, 256, num_blocks * (conv_bytes + temp_bytes), dtype=np.uint8)
+            ).to(DEVICE)
+            conv = raw[: num_blocks * conv_bytes].view(torch.bfloat16).view(num_blocks, 3, conv_bytes // 6)
+            temporal = raw[num_blocks * conv_bytes :].view(torch.float32).view(num_blocks, 2, temp_bytes // 8)
+            self.raws.append(raw)
+            self.layers.append((f"layer.{li}", [conv, temporal], [get_conv_copy_spec, get_temporal_copy_spec]))
+
+
+def test_mamba_only_layout_is_planned_once(monkeypatch):
+    monkeypatch.setattr(mcb, "REPLICATE_MIN_PAIRS", 2)
+    arena = MambaOnlyLayers(3, 6)
+    layout = mcg.CopyLayout({0: arena.layers})
     arrays = layout.pools.arrays()
-    # a layer's pools run to the end of its raw tensor: one unit a layer, all of one geometry
+    # a layer's pools run to the end of its raw tensor: one cluster a layer, all of one geometry
     assert len(arrays.cluster_base) == 3 and len(set(arrays.cluster_kind.tolist())) == 1
     rows, n = collect_all(layout, [([0, 1, 1], 0, 1, 1), ([2, 3], 0, 1, 0), ([3, 4], 0, 1, 0)], 32)
-    pool_ids, src, dst, nbytes, groupable = rows.batch(n)
-    wants = [oracle(raw.cpu().numpy().copy(), raw.data_ptr(), *_mine(raw, src, dst, nbytes)) for raw in raws]
-    mcb.REPLICATE_MIN_PAIRS, saved = 2, mcb.REPLICATE_MIN_PAIRS
-    try:
-        mcb.copy_rows(layout.pools, pool_ids, src, dst, nbytes, groupable)
-    finally:
-        mcb.REPLICATE_MIN_PAIRS = saved
-    for raw, want in zip(raws, wants):
-        assert_bytes_equal(raw.cpu().numpy(), want)
-
-
-def _mine(raw, src, dst, nbytes):
-    lo, hi = raw.data_ptr(), raw.data_ptr() + raw.numel()
-    mine = (dst >= lo) & (dst < hi)
-    return src[mine], dst[mine], nbytes[mine]
+    check_raw_layers(arena, layout, rows, n)
 
 
 def test_short_storage_rows_keep_per_pool_groups():

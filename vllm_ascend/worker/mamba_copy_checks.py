@@ -1,38 +1,13 @@
-#
-# Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
-# This file is a part of the vllm-ascend project.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
-#
-"""Host-side checks of Mamba state copy metadata before a pointer kernel launch.
+# SPDX-License-Identifier: Apache-2.0
+"""Host-side checks of Mamba state copy metadata, before anything is launched.
 
-A pointer kernel (``batch_memcpy_kernel``, ``batch_memmove_kernel``) trusts its
-``(src_ptrs, dst_ptrs, sizes)`` tables: a bad address does not raise inside a
-kernel, it corrupts device memory (or kills the Triton interpreter). The tables
-are on the host before they are staged, so two things are checked there:
-
-* ``validate_copy_batch``: equal lengths, sizes in ``[0, 2**31)``, no address
-  ``<= 0``, and, when the state pools are known, every source and destination
-  range inside one pool. A violation raises ``MambaCopyValidationError`` naming
-  the pair.
-* ``plan_ordered_launches``: the programs of one launch run in no defined order,
-  so a batch in which one pair's destination overlaps another pair's source or
-  destination has no safe order inside one launch. Such batches are split into
-  ordered launches (each pair in the launch after the last earlier pair it
-  conflicts with), which equals a serial memmove in pair order, the semantics of
-  the tensor-copy path. Hazard-free batches (the normal case; several pairs
-  reading one shared block is read-read) stay one launch. The check is
-  O(n log n): sort the destinations, binary-search the sources.
+* ``validate_copy_batch``: a pointer kernel trusts its ``(src_ptrs, dst_ptrs,
+  sizes)`` tables, and a bad address corrupts device memory instead of raising.
+  Bad tables raise ``MambaCopyValidationError`` naming the pair.
+* ``conflicting_pairs``: the pairs of one launch (or of one grouped copy) run in
+  no defined order, so a pair whose ranges overlap another pair's, where one of
+  the two ranges is written, must run on its own, in pair order. Reading one
+  range from several pairs (a shared prefix-cache block) is safe.
 """
 
 import numpy as np
@@ -46,9 +21,7 @@ class MambaCopyValidationError(ValueError):
 
 def validate_copy_batch(src_ptrs, dst_ptrs, sizes, pools: dict[int, int] | None = None) -> None:
     """Refuse bad copy metadata. ``pools`` maps a state pool's first byte address to its end."""
-    src = np.asarray(src_ptrs, dtype=np.int64)
-    dst = np.asarray(dst_ptrs, dtype=np.int64)
-    size = np.asarray(sizes, dtype=np.int64)
+    src, dst, size = (np.asarray(a, dtype=np.int64) for a in (src_ptrs, dst_ptrs, sizes))
     if not (src.shape == dst.shape == size.shape) or src.ndim != 1:
         raise MambaCopyValidationError(
             f"Mamba state copy metadata of different lengths: src_ptrs {src.shape}, "
@@ -75,58 +48,26 @@ def validate_copy_batch(src_ptrs, dst_ptrs, sizes, pools: dict[int, int] | None 
             )
 
 
-def _conflict_predecessors(src: list[int], dst: list[int], sizes: list[int]) -> list[list[int]]:
-    """For each pair, the earlier pairs it conflicts with (a sweep over sorted intervals).
+def conflicting_pairs(src, dst, sizes, owners=None) -> np.ndarray:
+    """Mask of the pairs that may not run unordered beside the others.
 
-    Two pairs conflict when a destination of one overlaps the source or the
-    destination of the other. Only reached for batches known to hold a hazard.
+    Ranges (every live source and destination) that overlap, directly or through
+    a chain of overlaps, form one run along the address line. A run holding a
+    destination and ranges of more than one owner (default: each pair its own)
+    marks all its pairs. Conservative, and O(n log n).
     """
-    intervals = []
-    for i, (s, d, z) in enumerate(zip(src, dst, sizes)):
-        if z > 0:
-            intervals.append((s, s + z, i, False))
-            intervals.append((d, d + z, i, True))
-    intervals.sort()
-    preds: list[list[int]] = [[] for _ in src]
-    active: list[tuple[int, int, bool]] = []
-    for start, end, pair, is_dst in intervals:
-        active = [a for a in active if a[0] > start]
-        for _, other, other_is_dst in active:
-            if other != pair and (is_dst or other_is_dst):
-                first, last = min(pair, other), max(pair, other)
-                preds[last].append(first)
-        active.append((end, pair, is_dst))
-    return preds
-
-
-def plan_ordered_launches(src_ptrs, dst_ptrs, sizes) -> list[np.ndarray] | None:
-    """``None`` if the batch is safe as one launch, else the pair indices of each ordered launch."""
-    src = np.asarray(src_ptrs, dtype=np.int64)
-    dst = np.asarray(dst_ptrs, dtype=np.int64)
-    size = np.asarray(sizes, dtype=np.int64)
-    live = np.nonzero(size > 0)[0]
-    if live.size < 2:
-        return None
-    s, d, z = src[live], dst[live], size[live]
-    order = np.argsort(d, kind="stable")
-    d_start = d[order]
-    d_end = d_start + z[order]
-    if np.any(d_start[1:] < np.maximum.accumulate(d_end)[:-1]):
-        hazard = True  # two destinations overlap
-    else:
-        # Destinations are disjoint and sorted, so their ends are sorted too.
-        first = np.searchsorted(d_end, s, side="right")  # first destination ending after s
-        stop = np.searchsorted(d_start, s + z, side="left")  # destinations starting before s + z
-        count = stop - first
-        own = (count == 1) & (order[np.minimum(first, live.size - 1)] == np.arange(live.size))
-        hazard = bool(np.any((count > 0) & ~own))
-    if not hazard:
-        return None
-
-    preds = _conflict_predecessors(src.tolist(), dst.tolist(), size.tolist())
-    level = [0] * len(preds)
-    for i, before in enumerate(preds):
-        for j in before:
-            level[i] = max(level[i], level[j] + 1)
-    levels = np.asarray(level, dtype=np.int64)
-    return [np.nonzero(levels == k)[0] for k in range(int(levels.max()) + 1)]
+    src, dst, size = (np.asarray(a, dtype=np.int64) for a in (src, dst, sizes))
+    owner = np.arange(size.size) if owners is None else np.asarray(owners, dtype=np.int64)
+    live = np.flatnonzero(size > 0)
+    start = np.concatenate([src[live], dst[live]])
+    order = np.argsort(start, kind="stable")
+    start, end = start[order], (start + np.tile(size[live], 2))[order]
+    pair, writes = np.tile(live, 2)[order], (np.arange(2 * live.size) >= live.size)[order]
+    run = np.cumsum(np.r_[True, start[1:] >= np.maximum.accumulate(end)[:-1]]) - 1 if start.size else start
+    lo, hi = np.full(start.size, np.iinfo(np.int64).max), np.full(start.size, -1)
+    np.minimum.at(lo, run, owner[pair])
+    np.maximum.at(hi, run, owner[pair])
+    bad_run = (np.bincount(run, weights=writes, minlength=start.size) > 0) & (lo != hi)
+    mask = np.zeros(size.size, dtype=bool)
+    mask[pair[bad_run[run]]] = True
+    return mask

@@ -14,7 +14,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 #
-"""Host-side validation and ordered launches for the Mamba state copy pointer path.
+"""Host-side validation and the hazard check of the Mamba state copy pointer path.
 
 Oracles: a numpy memmove of every pair in pair order, and a brute-force O(n^2)
 conflict check. The pointer kernel is a host model of one launch whose programs
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.ut.patch.worker.test_patch_mamba_utils_overlap import LAYERWISE, World, bound, memmove_oracle, use_kernel
-from vllm_ascend.worker.mamba_copy_checks import MambaCopyValidationError, plan_ordered_launches, validate_copy_batch
+from vllm_ascend.worker.mamba_copy_checks import MambaCopyValidationError, conflicting_pairs, validate_copy_batch
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -74,26 +74,32 @@ _pairs = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200), st.integer
 
 @FUZZ
 @given(pairs=_pairs)
-def test_fuzz_plan_equals_pair_order_memmove(pairs):
-    plan = plan_ordered_launches(*(np.array(c, dtype=np.int64) for c in zip(*pairs))) if pairs else None
-    hazard = any(_conflict(pairs[i], pairs[j]) for i in range(len(pairs)) for j in range(i))
-    assert (plan is not None) == hazard
-    launches = [list(range(len(pairs)))] if plan is None else [rows.tolist() for rows in plan]
-    assert sorted(i for rows in launches for i in rows) == list(range(len(pairs)))
-    for rows in launches:  # no conflict left inside one launch
-        assert not any(_conflict(pairs[i], pairs[j]) for i in rows for j in rows if i < j)
+def test_fuzz_unmarked_pairs_in_one_launch_then_marked_pairs_equal_pair_order_memmove(pairs):
+    columns = [np.array(c, dtype=np.int64) for c in zip(*pairs)] if pairs else [np.zeros(0, np.int64)] * 3
+    bad = conflicting_pairs(*columns)
+    for i in range(len(pairs)):  # every pair that conflicts with another one is marked
+        if any(_conflict(pairs[i], pairs[j]) for j in range(len(pairs)) if j != i):
+            assert bad[i]
     buf = np.arange(256, dtype=np.uint8)
     expected = memmove_oracle(buf, pairs)
-    for rows in launches:
-        _run_launch_unordered(buf, [pairs[i] for i in rows])
+    _run_launch_unordered(buf, [p for p, b in zip(pairs, bad) if not b])
+    for p in [p for p, b in zip(pairs, bad) if b]:
+        _run_launch_unordered(buf, [p])
     np.testing.assert_array_equal(buf, expected)
 
 
-def test_shared_source_blocks_stay_one_launch():
-    """Several requests reading one prefix-cache block is read-read: no split."""
+def test_shared_source_blocks_are_not_a_hazard():
+    """Several requests reading one prefix-cache block is read-read."""
     src = np.array([1000, 1000, 1000], dtype=np.int64)
     dst = np.array([2000, 3000, 4000], dtype=np.int64)
-    assert plan_ordered_launches(src, dst, np.array([512, 512, 512])) is None
+    assert not conflicting_pairs(src, dst, np.array([512, 512, 512])).any()
+
+
+def test_pairs_of_one_owner_do_not_conflict_with_each_other():
+    # block ids: one request moves two states from blocks 3 and 4 into block 5, another 6 -> 7
+    marks = conflicting_pairs([3, 4, 6], [5, 5, 7], [1, 1, 1], owners=[0, 0, 1])
+    assert not marks.any()
+    assert conflicting_pairs([3, 4, 5], [5, 5, 7], [1, 1, 1], owners=[0, 0, 1]).all()  # a chain
 
 
 @pytest.mark.parametrize(
@@ -121,9 +127,9 @@ def test_tables_of_different_lengths_are_refused():
 
 
 @pytest.mark.parametrize("layerwise", [False, True] if LAYERWISE else [False])
-def test_pointer_path_splits_hazardous_batches_into_ordered_launches(monkeypatch, layerwise):
+def test_pointer_path_runs_hazardous_pairs_in_order(monkeypatch, layerwise):
     """Two requests whose moves chain through one block (b -> c, then a -> b): one launch in reverse
-    order would copy a into b before b is read; the ordered launches give pair-order memmove."""
+    order would copy a into b before b is read; the interacting pairs run one by one, in order."""
     world = World()
     kernel = ReverseLaunchKernel()
     with bound(monkeypatch, "triton"):
@@ -136,7 +142,6 @@ def test_pointer_path_splits_hazardous_batches_into_ordered_launches(monkeypatch
             world.run_layerwise()
         else:
             world.run_whole_batch()
-        assert len(kernel.launches) == (4 if layerwise else 2)
     world.assert_memmove(before)
 
 

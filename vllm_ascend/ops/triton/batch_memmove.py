@@ -2,31 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Batched, overlap-safe memmove over (src_ptrs, dst_ptrs, sizes).
 
-`batch_memcpy_kernel` walks every pair forwards with no ordering between its
-loads and stores. That is a race when a pair overlaps itself, which is exactly
-what align-mode Mamba state moves produce: the conv-state shift copies
-``state[blk, bias:]`` to ``state[blk, :width - bias]`` inside one block
-(``dst < src < dst + size``). This kernel gives every pair memmove semantics:
-
-* ``dst < src`` overlapping ("left"): one program walks the pair forwards with
-  ``tl.debug_barrier()`` between each load and store, so no lane stores over
-  source bytes another lane has not loaded yet;
-* ``dst > src`` overlapping ("right"): one program walks the blocks backwards,
-  with the same barrier;
-* ``dst == src``: nothing is copied;
-* pairs that do not overlap run with no barrier, split over ``tiles`` programs
-  (grid axis 1) so a few multi-MiB temporal states still fill the device.
-
-Pairs are independent: the kernel does not order one pair against another, so a
-batch in which one pair's destination overlaps another pair's source or
-destination has no defined result (the caller must not build such batches).
-
-When source, destination and size are all multiples of 16 bytes, the copy uses
-addresses the compiler can prove 16-byte aligned, so GPUs issue 16-byte
-accesses instead of byte accesses; otherwise it copies bytes.
-
-triton-ascend limits respected here: the int -> pointer casts happen once,
-outside every loop, and no condition chains ``A and B and C``.
+``batch_memcpy_kernel`` walks every pair forwards with no ordering between its
+loads and stores: a race when a pair overlaps itself, as the align-mode conv
+shift ``state[blk, bias:]`` -> ``state[blk, :width - bias]`` does. Here a pair
+with ``dst < src`` overlapping is walked forwards with ``tl.debug_barrier()``
+between load and store, ``dst > src`` overlapping backwards with the same
+barrier, and other pairs with no barrier, split over ``tiles`` programs. Pairs
+are not ordered against each other (the caller splits such batches). The
+int -> pointer casts stay outside the loops and no condition chains
+``A and B and C`` (triton-ascend limits).
 """
 
 import torch
@@ -136,28 +120,15 @@ def batch_memmove(
     valid device memory and no pair may overlap another pair. ``block_size``
     defaults to DEFAULT_BLOCK_SIZE (NPU_BLOCK_SIZE on an NPU).
     """
-    for name, tensor, dtype in (
-        ("src_ptrs", src_ptrs, torch.int64),
-        ("dst_ptrs", dst_ptrs, torch.int64),
-        ("sizes", sizes, torch.int32),
-    ):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"batch_memmove: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != dtype:
-            raise TypeError(f"batch_memmove: {name} must be {dtype}, got {tensor.dtype}")
-        if tensor.dim() != 1:
-            raise ValueError(f"batch_memmove: {name} must be 1-D, got shape {tuple(tensor.shape)}")
+    tables = (src_ptrs, dst_ptrs, sizes)
+    if [(t.dtype, t.dim(), t.shape[0], t.device) for t in tables] != [
+        (dtype, 1, src_ptrs.shape[0], src_ptrs.device) for dtype in (torch.int64, torch.int64, torch.int32)
+    ]:
+        raise ValueError(
+            "batch_memmove: src_ptrs and dst_ptrs must be 1-D int64, sizes 1-D int32, of one length and "
+            f"device; got {[(t.dtype, tuple(t.shape), str(t.device)) for t in tables]}"
+        )
     batch = src_ptrs.shape[0]
-    if dst_ptrs.shape[0] != batch or sizes.shape[0] != batch:
-        raise ValueError(
-            "batch_memmove: src_ptrs, dst_ptrs and sizes must have the same length, got "
-            f"{batch}, {dst_ptrs.shape[0]}, {sizes.shape[0]}"
-        )
-    if not (src_ptrs.device == dst_ptrs.device == sizes.device):
-        raise ValueError(
-            "batch_memmove: src_ptrs, dst_ptrs and sizes must be on one device, got "
-            f"{src_ptrs.device}, {dst_ptrs.device}, {sizes.device}"
-        )
     if block_size is None:
         block_size = NPU_BLOCK_SIZE if src_ptrs.device.type == "npu" else DEFAULT_BLOCK_SIZE
     if block_size < _ALIGN or block_size & (block_size - 1):

@@ -246,18 +246,21 @@ def test_same_block_conv_shift_matches_memmove(monkeypatch, bias, run):
 
 @pytest.mark.parametrize("run", RUNS)
 def test_pointer_tables_still_filled_for_ab_runs(monkeypatch, run):
-    """torch path: the pointer tables hold the copies vLLM's copy specs describe, per layer too."""
+    """torch path: the pointer tables hold the same copies as the tensor pairs, per layer too."""
     world = World()
     with bound(monkeypatch):
+        # the per-pair collector (copy functions the grouped path does not know)
+        monkeypatch.setattr(pm.mamba_copy_groups, "record", lambda *args: False)
         _step(world, [([3, 5, 5, 7, 9], 1, 2, 1), ([4, 6, 8, 1, 10], 0, 2, 2)])
         n = world.copy_bufs.offset
-        assert n == len(world.copies)
+        pairs = world.copy_bufs._tensor_copy_pairs
+        assert n == len(world.copies) == len(pairs)
         got = list(zip(world.copy_bufs.src_ptrs.np[:n], world.copy_bufs.dst_ptrs.np[:n], world.copy_bufs.sizes.np[:n]))
         assert [tuple(int(x) for x in g) for g in got] == world._abs()
+        assert [(s.data_ptr(), d.data_ptr(), s.numel() * s.element_size()) for s, d in pairs] == world._abs()
         if LAYERWISE:
             per_layer = world.copy_bufs._layer_copy_metadata
             assert list(per_layer) == world.layer_names
-            pm.mamba_copy_groups.layer_tables(world.copy_bufs)  # vectorised collection fills them before staging
             flat = [c for name in world.layer_names for c in zip(*per_layer[name])]
             assert sorted(flat) == sorted(world._abs())
         before = world.bytes()

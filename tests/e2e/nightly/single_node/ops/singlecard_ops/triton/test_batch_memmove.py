@@ -298,20 +298,15 @@ def test_launcher_rejects_bad_arguments_before_launch():
     ok64 = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     ok32 = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     # Pointers of 0 would crash a kernel: every case must raise before any launch.
-    with pytest.raises(TypeError, match="sizes must be torch.int32"):
-        batch_memmove(ok64, ok64, ok64)
-    with pytest.raises(TypeError, match="src_ptrs must be torch.int64"):
-        batch_memmove(ok32, ok64, ok32)
-    with pytest.raises(ValueError, match="same length"):
-        batch_memmove(ok64, ok64[:1], ok32)
-    with pytest.raises(ValueError, match="1-D"):
-        batch_memmove(ok64.view(1, 2), ok64, ok32)
+    for bad in ((ok64, ok64, ok64), (ok32, ok64, ok32), (ok64, ok64[:1], ok32), (ok64.view(1, 2), ok64, ok32)):
+        with pytest.raises(ValueError, match="must be 1-D int64, sizes 1-D int32, of one length and device"):
+            batch_memmove(*bad)
     with pytest.raises(ValueError, match="block_size"):
         batch_memmove(ok64, ok64, ok32, block_size=100)
     with pytest.raises(ValueError, match="tiles"):
         batch_memmove(ok64, ok64, ok32, tiles=0)
     if DEVICE != "cpu":
-        with pytest.raises(ValueError, match="one device"):
+        with pytest.raises(ValueError, match="of one length and device"):
             batch_memmove(ok64, ok64.cpu(), ok32)
     batch_memmove(ok64[:0], ok64[:0], ok32[:0])  # empty batch: nothing to launch
 

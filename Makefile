@@ -18,12 +18,13 @@ FINAL_BASE ?= 0.23.0.post1
 # registry pre-release the tooling's rebase test moves the series onto (test_rebase_real.py).
 PREFETCH_BASES ?= $(FINAL_BASE) 0.24.0rc1
 
-# Check the series on every base, then run the fork's tests and upstream's CPU suite on base and
-# fork, for the pin and for the newest final release (the tooling's own tests once).
+# The series' size against its budgets (tools/series_size.py); check the series on every base, then
+# run the fork's tests and upstream's CPU suite on base and fork, for the pin and for the newest final release (the tooling's own tests once).
 # The other environments build in the background meanwhile (a no-op once cached): a cold run's pip
 # work overlaps the pin's single-process suites instead of adding to them. Their logs:
 # build/prefetch/; a failed prefetch is reported, and the step that needs the environment builds it.
 test: $(VENV)/.stamp
+	$(VENV)/bin/python tools/series_size.py
 	$(FORK) check --all-bases
 	@mkdir -p build/prefetch; \
 	for v in $(PREFETCH_BASES); do \
@@ -38,6 +39,7 @@ image: $(VENV)/.stamp
 	PYTHON=$(VENV)/bin/python .ci/image.sh
 
 check: $(VENV)/.stamp
+	$(VENV)/bin/python tools/series_size.py
 	$(FORK) check
 
 lint: $(VENV)/.stamp

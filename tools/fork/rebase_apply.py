@@ -274,7 +274,9 @@ def alternatives(cfg: ForkConfig, st: State, name: str) -> list[Path]:
     seen = {series.patch_id(used)} if used.strip() else set()
     tried = set(st.tried.get(name, []))
     out = []
-    for path in [cfg.patches_dir / name, *sorted(cfg.patches_dir.glob(f"bases/*/{name}"))]:
+    # patches/alternatives/NAME: a version kept for releases outside the matrix (docs/rebase.md).
+    kept = [*sorted(cfg.patches_dir.glob(f"bases/*/{name}")), *sorted(cfg.patches_dir.glob(f"alternatives/{name}"))]
+    for path in [cfg.patches_dir / name, *kept]:
         rel = path.relative_to(cfg.root).as_posix()
         if not path.is_file() or not path.read_bytes().strip() or rel in tried:
             continue

@@ -163,7 +163,8 @@ def test_rebase_onto_a_newer_release_picks_the_snapshot_variant_by_its_test(tmp_
     versions of most patches conflict there and the rebase takes the per-base versions that apply; by
     name, the snapshot patch is the pin's test-only version (0.30.0rc2 and 0.23.0.post1 have the
     fix), which would leave the fix out. The rebase's tests
-    must catch it and end with the code+test variant applied and its test passing, or stop naming
+    must catch it and end with the code+test version (patches/alternatives/) applied and its test
+    passing, or stop naming
     the test. Slow the first time: the sdist download and 0.24.0rc1's own test environment (vLLM
     0.24.0), then cached under the user cache. Runs the series' own tests (upstream's CPU suite of
     0.24.0rc1 is left to `test --base`, to keep CI short)."""
@@ -188,8 +189,8 @@ def test_rebase_onto_a_newer_release_picks_the_snapshot_variant_by_its_test(tmp_
         assert fork.snapshot() == before
         return
     assert f"fails with patches/{snapshot_patch}" in r.out, r.out[-3000:]
-    assert f"trying its other version patches/bases/{V0}/{snapshot_patch}" in r.out
-    assert _last_outcome(r.out, snapshot_patch).startswith(f"applied cleanly ({V0} variant)")
+    assert f"trying its other version patches/alternatives/{snapshot_patch}" in r.out
+    assert _last_outcome(r.out, snapshot_patch).startswith("applied cleanly")
     assert "fork rebase: tested: the series' own tests" in r.out and " 0 failed, 0 errors, 0 skipped" in r.out
     assert "upstream's CPU suite NOT run (--series-tests-only)" in r.out
     # the fix is in the new pin's patch (named after the variant's subject now) and in the tree

@@ -27,14 +27,17 @@ def setup_kernels(trees=None, base_tree=None):
     info = loader.setup(roots)
     import torch  # noqa: F401  (after the interpreter decision)
 
+    from benchmarks import vllm_copy_specs
+
+    specs = vllm_copy_specs.install()  # vLLM's copy functions, or models of them without vLLM
     from vllm_ascend.ops.triton import batch_memcpy, batch_memmove
     from vllm_ascend.ops.triton.mamba import postprocess
-    from vllm_ascend.worker import mamba_copy_batch, mamba_copy_groups
+    from vllm_ascend.worker import mamba_copy_groups
 
     kernels = {
         "info": info,
         "copy_groups": mamba_copy_groups,
-        "copy_batch": mamba_copy_batch,
+        "copy_specs": specs,
         "batch_memcpy_kernel": batch_memcpy.batch_memcpy_kernel,
         "batch_memmove": batch_memmove.batch_memmove,
         "memmove_module": batch_memmove,

@@ -8,14 +8,11 @@ Backends (one batch = every copy of one align-mode step):
   unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
   memmove      batch_memmove (this fork): overlap-safe, tiled, one launch
-  torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_batch.py,
-               imported from the tree): pairs grouped per storage (a layer's conv and temporal views
-               of one raw tensor) or per pool (separate allocations), all shifts in one row-level
-               group, one index_select + index_copy_ each; groups of at most 4 pairs (one or two
-               requests a step) all in one torch._foreach_copy_; interacting pairs copied per pair in order
-  torch_index_put  the same with index_put_ as the scatter (comparison)
-  torch_per_pool   the same with one group per pool, never per storage (comparison)
-  torch_indexed    the same without the direct path: small groups gathered and scattered too (comparison)
+  torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
+               imported from the tree): every request recorded as the collector records it (a few
+               block ids), then per storage (a layer's raw tensor, or a pool of its own) one
+               index_select of all source rows and one index_copy_ into the destination rows;
+               host time includes recording the step
   torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
 Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
@@ -37,7 +34,7 @@ Every record has `median_ms` (device time: events around one batch, launch gaps 
 
 The host-side cost of collecting the copy metadata is measured on the CPU with CPU tensors:
 per-pair loops emulating upstream's collectors (pointer buffers, tensor pairs) and the fork's
-vectorised collector (`mamba_copy_groups.collect_request`, the real code) over the same layout.
+grouped path's recording of a step (`mamba_copy_groups.record`, the real code) over the same layout.
 """
 
 from __future__ import annotations
@@ -48,6 +45,7 @@ import json
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,24 +58,6 @@ LAYERS = 36
 LAYOUTS = ("vllm", "separate")
 CONV_ROWS, CONV_DIM = 3, 8192  # bf16 -> 16 KiB rows
 TEMPORAL_SHAPE = (16, 128, 256)  # fp32 -> 2 MiB
-
-
-@dataclasses.dataclass
-class CopySpec:
-    start_addr: int
-    num_elements: int
-
-
-def conv_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
-    """Model of vLLM's get_conv_copy_spec (SD layout): block block_ids[cur], rows from the offset on."""
-    view = state[block_ids[cur_block_idx], num_accepted_tokens - 1 :]
-    return CopySpec(view.data_ptr(), view.numel())
-
-
-def temporal_copy_spec(state, block_ids, cur_block_idx, num_accepted_tokens):
-    """Model of vLLM's get_temporal_copy_spec: the whole block block_ids[cur + accepted - 1]."""
-    view = state[block_ids[cur_block_idx + num_accepted_tokens - 1]]
-    return CopySpec(view.data_ptr(), view.numel())
 
 
 def left_guard_kernel_factory():
@@ -143,9 +123,12 @@ class Batch:
         for layer, (conv, temporal) in enumerate(self.pools):
             for req in range(requests):
                 src_blk, dst_blk = 2 * req, 2 * req + 1
-                bias = 1 + (req + layer) % 2
+                bias = 1 + req % 2  # accepted tokens - 1: one per request, all layers
                 self.views.append((conv[src_blk, bias:], conv[dst_blk, : conv_rows - bias]))
                 self.views.append((temporal[src_blk], temporal[dst_blk]))
+        # What the collector is called with per request: block table, source and destination index, bias
+        # (conv from block_ids[0] shifted by bias rows, temporal from block_ids[bias], both into block_ids[3]).
+        self.requests = [([2 * r] * 3 + [2 * r + 1], 0, 3, 1 + r % 2) for r in range(requests)]
         self.src_ptrs = torch.tensor([s.data_ptr() for s, _ in self.views], dtype=torch.int64, device=device)
         self.dst_ptrs = torch.tensor([d.data_ptr() for _, d in self.views], dtype=torch.int64, device=device)
         sizes = [s.numel() * s.element_size() for s, _ in self.views]
@@ -154,25 +137,19 @@ class Batch:
         self.pairs = len(sizes)
         self.copy_rows = None
 
-    def grouped_rows(self, mcb):
-        """The same pairs as pool ids + addresses for the grouped copy (built once, like the collector's rows)."""
-        if self.copy_rows is None:
-            pools = mcb.PoolTable()
-            index = {}
-            pool_ids = []
-            for layer, (conv, temporal) in enumerate(self.pools):
-                for state in (conv, temporal):
-                    index[id(state)] = len(pools)
-                    pools.append(mcb.StatePool(state))
-            for layer, (conv, temporal) in enumerate(self.pools):
-                for _ in range(len(self.views) // (2 * len(self.pools))):
-                    pool_ids += [index[id(conv)], index[id(temporal)]]
-            src = [s.data_ptr() for s, _ in self.views]
-            dst = [d.data_ptr() for _, d in self.views]
-            nbytes = [s.numel() * s.element_size() for s, _ in self.views]
-            as_np = [np.array(x, dtype=np.int64) for x in (pool_ids, src, dst, nbytes)]
-            self.copy_rows = (pools, *as_np, np.ones(len(nbytes), dtype=bool))
-        return self.copy_rows
+    def grouped_step(self, mcg, specs):
+        """Record every request as the collector does (one KV-cache group), then copy the step."""
+        layers = [(f"layer.{i}", 0, list(p), (specs.get_conv_copy_spec, specs.get_temporal_copy_spec))
+                  for i, p in enumerate(self.pools)]  # fmt: skip
+        bufs = types.SimpleNamespace()
+
+        def step():
+            for table, src_idx, dest_idx, bias in self.requests:
+                req = types.SimpleNamespace(block_ids=[table])
+                assert mcg.record(bufs, lambda: layers, [0], src_idx, dest_idx, bias, req)
+            mcg.copy(bufs)
+
+        return step
 
     def reference(self):
         return [(s.clone(), d) for s, d in self.views]
@@ -195,34 +172,12 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
 
         return run
 
-    mcb = kernels["copy_batch"]
+    mcg, specs = kernels["copy_groups"], kernels["copy_specs"]
 
     def torch_grouped(b):
-        pools, pool_ids, src, dst, nbytes, groupable = b.grouped_rows(mcb)
-        mcb.copy_rows(pools, pool_ids, src, dst, nbytes, groupable)
-
-    def torch_grouped_with(op_pair):
-        def run(b):
-            saved = mcb.DEVICE_OP_PAIR
-            mcb.DEVICE_OP_PAIR = {b.src_ptrs.device.type: op_pair}
-            try:
-                torch_grouped(b)
-            finally:
-                mcb.DEVICE_OP_PAIR = saved
-
-        return run
-
-    def torch_with(name, value):
-        # The planner with one module constant changed (comparison rows).
-        def run(b):
-            saved = getattr(mcb, name)
-            setattr(mcb, name, value)
-            try:
-                torch_grouped(b)
-            finally:
-                setattr(mcb, name, saved)
-
-        return run
+        if getattr(b, "step", None) is None:
+            b.step = b.grouped_step(mcg, specs)
+        b.step()
 
     def torch_clone(b):
         for s, d in b.views:
@@ -240,19 +195,7 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
             memmove_cfg(mm.DEFAULT_BLOCK_SIZE, mm.DEFAULT_TILES),
             {"block": mm.DEFAULT_BLOCK_SIZE, "tiles": mm.DEFAULT_TILES},
         ),
-        "torch": (torch_grouped, {"path": "mamba_copy_groups.copy_rows", "op_pair": "index_select + index_copy_"}),
-        "torch_index_put": (
-            torch_grouped_with("index_put"),
-            {"path": "mamba_copy_groups.copy_rows", "op_pair": "index_select + index_put_ (comparison)"},
-        ),
-        "torch_per_pool": (
-            torch_with("MIN_STORAGE_ROW_BYTES", 1 << 62),
-            {"path": "mamba_copy_groups.copy_rows, per-pool groups (comparison)"},
-        ),
-        "torch_indexed": (
-            torch_with("DIRECT_MAX_PAIRS", 0),
-            {"path": "mamba_copy_groups.copy_rows, every group gathered and scattered (comparison)"},
-        ),
+        "torch": (torch_grouped, {"path": "mamba_copy_groups.record + copy", "op_pair": "index_select + index_copy_"}),
         "torch_clone": (torch_clone, {}),
         "torch_copy": (torch_copy, {}),
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
@@ -403,14 +346,12 @@ def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separ
         dst_np[:] = dst.reshape(-1)
         return src.size
 
-    # The real collectors over the same layout, with models of vLLM's two copy functions:
-    # upstream's per-pair loop and the fork's vectorised collect_request.
+    # The real collectors over the same layout, with vLLM's two copy functions (or models of them):
+    # upstream's per-pair loop, and the grouped path's record() of the step.
     out_extra = {}
     if kernels is not None:
-        mcg, mcb = kernels["copy_groups"], kernels["copy_batch"]
-        mcg.register_copy_func(conv_copy_spec, mcg.OFFSET_KIND)
-        mcg.register_copy_func(temporal_copy_spec, mcg.INDEX_KIND)
-        funcs = (conv_copy_spec, temporal_copy_spec)
+        mcg, vllm_specs = kernels["copy_groups"], kernels["copy_specs"]
+        funcs = (vllm_specs.get_conv_copy_spec, vllm_specs.get_temporal_copy_spec)
         tables = [[2 * r, 2 * r + 1, 2 * r + 1] for r in range(requests)]
         biases = [r % 2 for r in range(requests)]
 
@@ -428,32 +369,16 @@ def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separ
                         off += 1
             return off
 
-        layout = mcg.CopyLayout({0: [(f"layer.{i}", list(pools[i]), funcs) for i in range(layers)]})
-        rows = mcg.CopyRows(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int32))
+        named = [(f"layer.{i}", 0, list(pools[i]), funcs) for i in range(layers)]
+        bufs = types.SimpleNamespace()
 
-        def vectorised_collector():
-            off = 0
+        def grouped_record():
+            bufs._mamba_copy_requests = []  # a new step (copy() forgets the step's requests)
             for r in range(requests):
-                off = mcg.collect_request(layout, 0, tables[r], 0, 1, biases[r], rows, off)
-            return off
-
-        def plan_grouped():
-            pool_ids, src, dst, nbytes, groupable = rows.batch(n)
-            mcb.plan_copies(layout.pools, pool_ids, src, dst, nbytes, groupable)
+                mcg.record(bufs, lambda: named, [0], 0, 1, biases[r], types.SimpleNamespace(block_ids=[tables[r]]))
             return n
 
-        vectorised_collector()
-        per_pair_collector()
-        same = bool(
-            np.array_equal(rows.src, src_np)
-            and np.array_equal(rows.dst, dst_np)
-            and np.array_equal(rows.sizes, sizes_np)
-        )
-        out_extra = {
-            "per_pair_collector": per_pair_collector,
-            "vectorised_collector": vectorised_collector,
-            "plan_grouped": plan_grouped,
-        }
+        out_extra = {"per_pair_collector": per_pair_collector, "grouped_record": grouped_record}
 
     out = {}
     for name, fn in (
@@ -468,8 +393,6 @@ def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separ
             count = fn()
             best = min(best, time.perf_counter() - t0)
         out[name] = {"us_per_pair": best / count * 1e6, "ms_per_step": best * 1e3, "pairs": count}
-        if name == "vectorised_collector":
-            out[name]["equal_to_per_pair_collector"] = same
     return out
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session: op tests, stress runs, align-mode trace stress and the benchmark.
 #
-#   bash benchmarks/device_run.sh OUTDIR [tests] [stress] [bench] [trace] [trace_seconds=N]
+#   bash benchmarks/device_run.sh OUTDIR [tests] [memmove] [groups] [stress] [bench] [trace] [trace_seconds=N]
+#   (BENCH_ARGS: extra copy_paths.py arguments, e.g. --sweep or --backends ...)
 #
 # Run from a tree laid out like this repository (tools/kernel_harness, benchmarks/, the overlay)
 # with build/fork (the materialized series) and build/base (the pinned base, for the controls).
@@ -46,13 +47,30 @@ for phase in "${PHASES[@]}"; do
             echo "base tree (unguarded) postprocess test exit: $? (expected non-zero)"
             tail -3 "$OUT/tests_base_postprocess.log"
             ;;
+        memmove)
+            # The memmove kernel's op tests on the device (fork tree).
+            timeout 300 $PY -m pytest -p tools.kernel_harness.plugin --noconftest --kernel-tree build/fork -q \
+                -p no:cacheprovider build/fork/$OPS/test_batch_memmove.py build/fork/$OPS/test_mamba_copy_bad_input.py \
+                >"$OUT/tests_memmove.log" 2>&1 || status=1
+            tail -1 "$OUT/tests_memmove.log"
+            ;;
+        groups)
+            # The grouped copy's oracle tests on the device, then without its hazard fallback (must fail).
+            GROUPS_TEST=(-p tools.kernel_harness.plugin -p benchmarks.vllm_copy_specs --noconftest --kernel-tree build/fork
+                -q -p no:cacheprovider build/fork/tests/ut/worker/test_mamba_copy_groups.py)
+            timeout 240 $PY -m pytest "${GROUPS_TEST[@]}" >"$OUT/tests_groups.log" 2>&1 || status=1
+            tail -1 "$OUT/tests_groups.log"
+            timeout 240 $PY -m pytest -p benchmarks.no_hazard_fallback "${GROUPS_TEST[@]}" >"$OUT/tests_groups_unsafe.log" 2>&1
+            echo "without the hazard fallback: exit $? (expected non-zero)"
+            tail -1 "$OUT/tests_groups_unsafe.log"
+            ;;
         stress)
             timeout 300 $PY benchmarks/stress_memmove.py --json "$OUT/stress_memmove.json" \
                 >"$OUT/stress_memmove.log" 2>&1 || status=1
             tail -1 "$OUT/stress_memmove.log"
             ;;
         bench)
-            timeout 300 $PY benchmarks/copy_paths.py --sweep --json "$OUT/copy_paths.json" \
+            timeout 400 $PY benchmarks/copy_paths.py ${BENCH_ARGS:-} --json "$OUT/copy_paths.json" \
                 --png "$OUT/copy_paths.png" >"$OUT/copy_paths.log" 2>&1 || status=1
             grep -v '^host' "$OUT/copy_paths.log" | tail -40
             ;;

@@ -17,7 +17,7 @@ for tree in fork base; do
     if [ "$tree" = base ] && [ -d "$SRC/build/base-$PIN" ]; then from=base-$PIN; fi
     for f in vllm_ascend/ops/triton/batch_memcpy.py vllm_ascend/ops/triton/batch_memmove.py \
              vllm_ascend/ops/triton/mamba/postprocess.py vllm_ascend/worker/mamba_copy_checks.py \
-             vllm_ascend/worker/mamba_copy_groups.py vllm_ascend/worker/mamba_copy_batch.py \
+             vllm_ascend/worker/mamba_copy_groups.py \
              tests/ut/worker/test_mamba_copy_groups.py \
              $OPS/test_batch_memmove.py $OPS/test_postprocess_mamba_overlap.py $OPS/test_mamba_copy_bad_input.py; do
         if [ -f "$SRC/build/$from/$f" ]; then
@@ -28,7 +28,7 @@ for tree in fork base; do
 done
 mkdir -p "$DEST/vllm_ascend/ops/triton" "$DEST/vllm_ascend/worker" "$DEST/tests/ut/worker"
 cp "$SRC/vllm_ascend/ops/triton/batch_memmove.py" "$DEST/vllm_ascend/ops/triton/"
-# The torch-only grouped copy modules and their oracle tests (MAMBA_COPY_TEST_DEVICE=cuda runs them there).
-cp "$SRC/vllm_ascend/worker/mamba_copy_groups.py" "$SRC/vllm_ascend/worker/mamba_copy_batch.py" "$DEST/vllm_ascend/worker/"
+# The torch-only grouped copy modules and their oracle tests (they run on the device they find).
+cp "$SRC/vllm_ascend/worker/mamba_copy_groups.py" "$SRC/vllm_ascend/worker/mamba_copy_checks.py" "$DEST/vllm_ascend/worker/"
 cp "$SRC/tests/ut/worker/test_mamba_copy_groups.py" "$DEST/tests/ut/worker/"
 find "$DEST" -type f | wc -l

@@ -11,8 +11,8 @@ Backends (one batch = every copy of one align-mode step):
   torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
                imported from the tree): every request recorded as the collector records it (a few
                block ids), then per storage (a layer's raw tensor, or a pool of its own) one
-               index_select of all source rows and one index_copy_ into the destination rows;
-               host time includes recording the step
+               index_select of all source rows and one index_copy_ into the destination rows
+               (the step recorded outside the timed call, as torch_clone's pairs are built outside it)
   torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
 Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
@@ -138,15 +138,19 @@ class Batch:
         self.copy_rows = None
 
     def grouped_step(self, mcg, specs):
-        """Record every request as the collector does (one KV-cache group), then copy the step."""
+        """The step's copy, its requests recorded once as the collector records them (one KV-cache group).
+
+        Like the per-pair rows, whose tensor pairs the collector builds outside the timed call, the
+        recording is left out of the copy's time; `host_grouped_record` measures it."""
         layers = [(f"layer.{i}", 0, list(p), (specs.get_conv_copy_spec, specs.get_temporal_copy_spec))
                   for i, p in enumerate(self.pools)]  # fmt: skip
         bufs = types.SimpleNamespace()
+        for table, src_idx, dest_idx, bias in self.requests:
+            assert mcg.record(bufs, lambda: layers, [0], src_idx, dest_idx, bias, types.SimpleNamespace(block_ids=[table]))
+        recorded = bufs._mamba_copy_requests
 
         def step():
-            for table, src_idx, dest_idx, bias in self.requests:
-                req = types.SimpleNamespace(block_ids=[table])
-                assert mcg.record(bufs, lambda: layers, [0], src_idx, dest_idx, bias, req)
+            bufs._mamba_copy_requests = list(recorded)  # a new step: its hazard check and row indices are redone
             mcg.copy(bufs)
 
         return step

@@ -95,11 +95,11 @@ def _row_indices(reqs: np.ndarray, rows: torch.Tensor, group: int, row: int, geo
         length = (nbytes - shift) // row + np.zeros(len(reqs), dtype=np.int64)
         src_rows.append(_ranges((offset + src * stride + shift) // row, length))
         dst_rows.append(_ranges((offset + dst * stride) // row, length))
-    src_rows, dst_rows = np.concatenate(src_rows), np.concatenate(dst_rows)
-    for index in (src_rows, dst_rows) if src_rows.size else ():
-        if index.min() < 0 or index.max() >= rows.shape[0]:
-            raise IndexError(f"Mamba state copy outside its storage: block ids {sorted(set(reqs[:, 2:].flat))}")
-    return [torch.from_numpy(r).to(rows.device, non_blocking=True) for r in (src_rows, dst_rows)]
+    both = np.concatenate(src_rows + dst_rows)
+    if both.size and (both.min() < 0 or both.max() >= rows.shape[0]):
+        raise IndexError(f"Mamba state copy outside its storage: block ids {sorted(set(reqs[:, 2:].flat))}")
+    both = torch.from_numpy(both).to(rows.device, non_blocking=True)  # one host-to-device copy
+    return (both[: both.numel() // 2], both[both.numel() // 2 :]) if both.numel() else None
 
 
 def _copy_pair_by_pair(copy_bufs, requests, layer_name=None) -> None:
@@ -131,12 +131,12 @@ def copy(copy_bufs, layer_name: str | None = None) -> bool:
             interacting = pairs[: len(requests)] | pairs[len(requests) :]
         plan = copy_bufs._mamba_copy_plan = (requests, table[~interacting], interacting, {})
     _, safe, interacting, indices = plan
-    for name, key, rows in copy_bufs._mamba_copy_storages:
-        if layer_name in (None, name) and safe.size:
+    for name, key, rows in copy_bufs._mamba_copy_storages if safe.size else ():
+        if layer_name in (None, name):
             if key not in indices:
                 indices[key] = _row_indices(safe, rows, *key)
-            src, dst = indices[key]
-            if src.numel():
+            if indices[key] is not None:
+                src, dst = indices[key]
                 rows.index_copy_(0, dst, rows.index_select(0, src))
     _copy_pair_by_pair(copy_bufs, [r for r, bad in zip(requests, interacting) if bad], layer_name)
     if layer_name is None:

@@ -28,7 +28,7 @@ def _env(alias, upstream):
 def test_alias_selects_the_raw_pointer_kernel(monkeypatch, alias, upstream, active):
     monkeypatch.delenv(ALIAS, raising=False)
     with bound(monkeypatch, env=_env(alias, upstream)) as module:  # start-up binds the copy path
-        assert module._MAMBA_COPY_BACKEND == active
+        assert active == module._MAMBA_COPY_BACKEND
         assert (mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_torch) == (active == "torch")
 
 
@@ -44,6 +44,5 @@ def test_alias_selects_the_raw_pointer_kernel(monkeypatch, alias, upstream, acti
 )
 def test_unknown_or_conflicting_values_stop_start_up(monkeypatch, alias, upstream, message):
     monkeypatch.delenv(ALIAS, raising=False)
-    with pytest.raises(ValueError, match=message):
-        with bound(monkeypatch, env=_env(alias, upstream)):
-            pass
+    with pytest.raises(ValueError, match=message), bound(monkeypatch, env=_env(alias, upstream)):
+        pass

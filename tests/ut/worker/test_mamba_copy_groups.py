@@ -11,7 +11,7 @@ conv-only and temporal-only models, odd row sizes with storages whose length
 is not a multiple of the row), one or two KV-cache groups, shifts, shared
 blocks, duplicate destinations and chains.
 
-Runs on CPU under tests/ut; on a GPU or NPU it runs on that device.
+Runs on CPU under tests/ut, and on a CUDA GPU where there is one.
 """
 
 import os
@@ -31,7 +31,7 @@ settings.register_profile(
 )
 settings.register_profile("long", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FUZZ = settings.get_profile(os.environ.get("VLLM_ASCEND_FUZZ_PROFILE", "ci"))
-DEVICE = "npu" if hasattr(torch, "npu") and torch.npu.is_available() else "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # tests/ut stubs torch_npu: its npu is no device
 CONV, TEMPORAL = get_conv_copy_spec, get_temporal_copy_spec
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 # layout: (copy functions, raw tensor per layer?, conv (width, dim), temporal shape, state dtypes, tail bytes)
@@ -138,7 +138,9 @@ def steps(draw):
         dest_idx = draw(st.integers(0, length - 1))
         if src_idx == dest_idx and bias == 0:
             continue
-        tables = [draw(st.lists(st.integers(0, num_blocks - 1), min_size=length, max_size=length)) for _ in range(groups)]
+        tables = [
+            draw(st.lists(st.integers(0, num_blocks - 1), min_size=length, max_size=length)) for _ in range(groups)
+        ]
         requests.append((tables, src_idx, dest_idx, bias))
     return layout, groups, num_blocks, requests, draw(st.booleans())
 

@@ -16,7 +16,9 @@ derandomized) or ``long`` for manual runs.
 
 import contextlib
 import ctypes
+import functools
 import importlib
+import importlib.util
 import os
 from types import SimpleNamespace
 
@@ -61,6 +63,15 @@ LAYERWISE = hasattr(pm, "prepare_mamba_copy_by_layer")
 RUNS = ["run_whole_batch", "run_layerwise"] if LAYERWISE else ["run_whole_batch"]
 
 
+@functools.cache
+def _vllm_mamba_utils():
+    """An unpatched copy of vLLM's mamba_utils module."""
+    spec = importlib.util.spec_from_file_location("_unpatched_vllm_mamba_utils", mamba_utils.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @contextlib.contextmanager
 def bound(monkeypatch, backend=None, npu=True, env=None):
     """Re-run patch_mamba_utils' start-up with a hardware profile and the copy-backend env; undo it after."""
@@ -76,6 +87,8 @@ def bound(monkeypatch, backend=None, npu=True, env=None):
             mp.setattr(hardware_profile, "get_current_hardware_profile", lambda: profile)
         else:
             mp.setattr(vllm_ascend.utils, "is_310p", lambda: not npu)
+        # vLLM's own collector, as a fresh start-up finds it (the first import may have bound another).
+        mp.setattr(mamba_utils, "collect_mamba_copy_meta", _vllm_mamba_utils().collect_mamba_copy_meta)
         try:
             importlib.reload(pm)
             yield pm

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device session: op tests, stress runs, align-mode trace stress and the benchmark.
 #
-#   bash benchmarks/device_run.sh OUTDIR [tests] [memmove] [groups] [stress] [bench] [trace] [trace_seconds=N]
+#   bash benchmarks/device_run.sh OUTDIR [tests] [memmove] [groups] [stress] [bench] [trace] [fused_tests] [fused_bench] [trace_seconds=N]
 #   (BENCH_ARGS: extra copy_paths.py arguments, e.g. --sweep or --backends ...)
 #
 # Run from a tree laid out like this repository (tools/kernel_harness, benchmarks/, the overlay)
-# with build/fork (the materialized series) and build/base (the pinned base, for the controls).
+# with build/fork (the materialized series) and build/base (the pinned base, for the controls);
+# The fused_* phases also test and time build/main's kernels when that tree is there (an earlier series).
 # Every phase writes its log / JSON into OUTDIR and runs under a time limit, so partial results
 # survive. Needs torch + triton (+ pytest, hypothesis); no vLLM.
 set -u
@@ -38,12 +39,12 @@ for phase in "${PHASES[@]}"; do
             KERNEL_FUZZ_EXAMPLES=${KERNEL_FUZZ_EXAMPLES:-400} timeout 300 $PY -m pytest -p tools.kernel_harness.plugin \
                 --noconftest --kernel-tree build/fork -v -p no:cacheprovider \
                 --junitxml "$OUT/tests_fork.xml" build/fork/$OPS/test_batch_memmove.py \
-                build/fork/$OPS/test_postprocess_mamba_overlap.py >"$OUT/tests_fork.log" 2>&1 || status=1
+                build/fork/$OPS/test_mamba_state_copy.py >"$OUT/tests_fork.log" 2>&1 || status=1
             tail -3 "$OUT/tests_fork.log"
-            # Revert proof: the same postprocess test against the base tree's unguarded kernel.
+            # Revert proof: the same fused-kernel test against the base tree's kernels.
             timeout 180 $PY -m pytest -p tools.kernel_harness.plugin --noconftest --kernel-tree build/base -v \
                 -p no:cacheprovider --junitxml "$OUT/tests_base_postprocess.xml" \
-                build/fork/$OPS/test_postprocess_mamba_overlap.py >"$OUT/tests_base_postprocess.log" 2>&1
+                build/fork/$OPS/test_mamba_state_copy.py >"$OUT/tests_base_postprocess.log" 2>&1
             echo "base tree (unguarded) postprocess test exit: $? (expected non-zero)"
             tail -3 "$OUT/tests_base_postprocess.log"
             ;;
@@ -79,6 +80,32 @@ for phase in "${PHASES[@]}"; do
                 --backends unguarded,memmove,torch,dropcopy --json "$OUT/align_trace.json" \
                 >"$OUT/align_trace.log" 2>&1 || status=1
             tail -1 "$OUT/align_trace.log"
+            ;;
+        fused_tests)
+            # The fused postprocess / precopy kernels' shared copy body: its op tests on the fork, and the same
+            # tests against the base (and build/main) as controls, expected to fail. The controls run the precopy
+            # tests in a process of their own: the base precopy kernel's misaligned u64 access is a sticky CUDA
+            # error that would fail every later test of its process.
+            timeout 240 $PY -m pytest -p tools.kernel_harness.plugin --noconftest --kernel-tree build/fork -q -rf \
+                -p no:cacheprovider build/fork/$OPS/test_mamba_state_copy.py >"$OUT/fused_tests_fork.log" 2>&1 || status=1
+            echo "fused op tests on fork: $(tail -1 "$OUT/fused_tests_fork.log")"
+            for tree in base main; do
+                [ -d "build/$tree" ] || continue
+                for part in "not precopy" precopy; do
+                    log="$OUT/fused_tests_${tree}_${part/not /no}.log"
+                    timeout 120 $PY -m pytest -p tools.kernel_harness.plugin --noconftest --kernel-tree "build/$tree" \
+                        -q -rf -p no:cacheprovider -k "$part" build/fork/$OPS/test_mamba_state_copy.py >"$log" 2>&1
+                    echo "fused op tests on $tree (-k '$part'): $(tail -1 "$log") (expected failures)"
+                done
+            done
+            ;;
+        fused_bench)
+            compare=(--compare base=build/base/vllm_ascend/ops/triton/mamba/postprocess.py)
+            [ -d build/main ] && compare+=(--compare main=build/main/vllm_ascend/ops/triton/mamba/postprocess.py)
+            timeout 300 $PY benchmarks/fused_copy.py --tree build/fork "${compare[@]}" \
+                --precopy-base build/base/vllm_ascend/ops/triton/v2/mamba/precopy.py --json "$OUT/fused_copy.json" \
+                >"$OUT/fused_copy.log" 2>&1 || status=1
+            cat "$OUT/fused_copy.log"
             ;;
         *) echo "unknown phase $phase"; status=2 ;;
     esac

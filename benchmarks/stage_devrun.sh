@@ -16,10 +16,11 @@ for tree in fork base; do
     from=$tree
     if [ "$tree" = base ] && [ -d "$SRC/build/base-$PIN" ]; then from=base-$PIN; fi
     for f in vllm_ascend/ops/triton/batch_memcpy.py vllm_ascend/ops/triton/batch_memmove.py \
-             vllm_ascend/ops/triton/mamba/postprocess.py vllm_ascend/worker/mamba_copy_checks.py \
+             vllm_ascend/ops/triton/mamba/postprocess.py vllm_ascend/ops/triton/mamba/state_copy.py \
+             vllm_ascend/ops/triton/v2/mamba/precopy.py vllm_ascend/worker/mamba_copy_checks.py \
              vllm_ascend/worker/mamba_copy_groups.py \
              tests/ut/worker/test_mamba_copy_groups.py \
-             $OPS/test_batch_memmove.py $OPS/test_postprocess_mamba_overlap.py $OPS/test_mamba_copy_bad_input.py; do
+             $OPS/test_batch_memmove.py $OPS/test_mamba_state_copy.py $OPS/test_mamba_copy_bad_input.py; do
         if [ -f "$SRC/build/$from/$f" ]; then
             mkdir -p "$DEST/build/$tree/$(dirname "$f")"
             cp "$SRC/build/$from/$f" "$DEST/build/$tree/$f"

@@ -71,6 +71,26 @@ POSTPROCESS_EXTRA_CONSTS = {
     "TEMPORAL_TILES": 1,
 }
 
+# The V2 precopy kernel (0.27.1rc1 on) shares the fork's Mamba state copy body with postprocess.
+PRECOPY_SIG = {
+    "mamba_state_idx_ptr": "*i32",
+    "src_col_ptr": "*i32",
+    "token_bias_ptr": "*i32",
+    **{k: v for k, v in POSTPROCESS_SIG.items() if k.startswith(("block_table", "state_"))},
+    "state_dim_row_count_ptr": "*i32",
+    "state_dim_row_stride_ptr": "*i64",
+    "idx_mapping_ptr": "*i32",
+    "num_reqs": "i32",
+    "COPY_BLOCK_SIZE": "constexpr",
+    "CONV_STATE_DIM_FIRST": "constexpr",
+    "HAS_IDX_MAPPING": "constexpr",
+    "TEMPORAL_TILES": "constexpr",
+}
+PRECOPY_CONSTS = {"COPY_BLOCK_SIZE": 1024, "CONV_STATE_DIM_FIRST": False, "HAS_IDX_MAPPING": False, "TEMPORAL_TILES": 1}
+
+# Kernel files only some releases have (V2 model runner: 0.27.1rc1 on): SKIP where absent.
+RELEASE_DEPENDENT = {"v2/mamba/precopy.py"}
+
 # (label, module under vllm_ascend/ops/triton, kernel, signature, constexprs)
 KERNELS = [
     ("batch_memmove_kernel", "batch_memmove.py", "batch_memmove_kernel", BATCH_COPY_SIG, {"BLOCK_SIZE": 4096}),
@@ -87,6 +107,27 @@ KERNELS = [
         "postprocess_mamba_fused_kernel",
         POSTPROCESS_SIG,
         {"block_size": 16, "COPY_BLOCK_SIZE": 1024, "CONV_STATE_DIM_FIRST": True},
+    ),
+    (
+        "postprocess_mamba_fused_kernel (DS conv rows, 4 temporal tiles)",
+        "mamba/postprocess.py",
+        "postprocess_mamba_fused_kernel",
+        POSTPROCESS_SIG,
+        {"block_size": 16, "COPY_BLOCK_SIZE": 1024, "CONV_STATE_DIM_FIRST": True, "TEMPORAL_TILES": 4},
+    ),
+    (
+        "precopy_mamba_align_fused_kernel",
+        "v2/mamba/precopy.py",
+        "precopy_mamba_align_fused_kernel",
+        PRECOPY_SIG,
+        PRECOPY_CONSTS,
+    ),
+    (
+        "precopy_mamba_align_fused_kernel (DS conv rows)",
+        "v2/mamba/precopy.py",
+        "precopy_mamba_align_fused_kernel",
+        PRECOPY_SIG,
+        {**PRECOPY_CONSTS, "CONV_STATE_DIM_FIRST": True, "HAS_IDX_MAPPING": True, "TEMPORAL_TILES": 4},
     ),
     ("batch_memcpy_kernel (baseline)", "batch_memcpy.py", "batch_memcpy_kernel", BATCH_COPY_SIG, {"BLOCK_SIZE": 8192}),
 ]
@@ -108,7 +149,7 @@ def _find(roots: list[Path], rel: str) -> Path | None:
     return None
 
 
-def compile_one(path: str, kernel: str, signature: dict, constexprs: dict) -> dict:
+def compile_one(path: str, kernel: str, signature: dict, constexprs: dict, roots: list) -> dict:
     """Child process: compile one kernel; returns {status, stage, detail, artifacts}."""
     cache = tempfile.mkdtemp(prefix="ascend-compile-")
     os.environ["TRITON_CACHE_DIR"] = cache
@@ -116,6 +157,7 @@ def compile_one(path: str, kernel: str, signature: dict, constexprs: dict) -> di
     from tools.kernel_harness import loader
 
     loader.provide_triton_utils()
+    loader.register_tree([Path(r) for r in roots])  # kernel files import their shared bodies from the tree
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -167,8 +209,8 @@ def compile_one(path: str, kernel: str, signature: dict, constexprs: dict) -> di
     return {"status": "FAIL", "stage": stage or "?", "detail": detail[:600], "artifacts": artifacts}
 
 
-def _run_child(path: Path, kernel: str, signature: dict, constexprs: dict) -> dict:
-    payload = json.dumps([str(path), kernel, signature, constexprs])
+def _run_child(path: Path, kernel: str, signature: dict, constexprs: dict, roots: list) -> dict:
+    payload = json.dumps([str(path), kernel, signature, constexprs, [str(r) for r in roots]])
     proc = subprocess.run(
         [sys.executable, "-m", "tools.kernel_harness.ascend_compile", "--child", payload],
         cwd=ROOT,
@@ -219,8 +261,7 @@ def main(argv=None) -> int:
         return subprocess.run(argv_out, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
 
     if args.child:
-        path, kernel, signature, constexprs = json.loads(args.child)
-        print(json.dumps(compile_one(path, kernel, signature, constexprs)))
+        print(json.dumps(compile_one(*json.loads(args.child))))
         return 0
 
     roots = [Path(t).resolve() for t in (args.tree or [str(ROOT / "build" / "fork")])]
@@ -246,13 +287,14 @@ def main(argv=None) -> int:
     failed = skipped = 0
     for label, path, rel, kernel, sig, consts in jobs:
         if path is None:
-            if args.allow_missing:
+            if args.allow_missing or rel in RELEASE_DEPENDENT:
+                skipped += 1
                 print(f"SKIP {label}: {rel} not in {', '.join(map(str, roots))}")
                 continue
             failed += 1
             print(f"FAIL {label}: {rel} not found in {', '.join(map(str, roots))}")
             continue
-        result = _run_child(path, kernel, sig, consts)
+        result = _run_child(path, kernel, sig, consts, roots)
         skipped += result["status"] == "SKIP"
         if result["status"] not in ("OK", "SKIP"):
             failed += 1

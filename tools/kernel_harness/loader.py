@@ -26,6 +26,8 @@ PACKAGES = (
     "vllm_ascend.ops",
     "vllm_ascend.ops.triton",
     "vllm_ascend.ops.triton.mamba",
+    "vllm_ascend.ops.triton.v2",
+    "vllm_ascend.ops.triton.v2.mamba",
     "vllm_ascend.worker",
 )
 TREE_ENV = "KERNEL_TREE"

@@ -14,20 +14,20 @@ import sys
 import tarfile
 from pathlib import Path
 
-from tools.fork.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, BadInput, ForkError
+from tools.fork.core.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, BadInput, ForkError
 
 # verb -> (module under tools.fork, one-sentence summary for `--help`);
 # each module has HELP, add_arguments(parser), run(args, cfg) -> int
 VERBS = {
-    "apply": ("apply", "Materialize the fork in build/fork: the base release, then the series with git am."),
-    "check": ("check", "Check that the series applies exactly, matches the overlay and follows the conventions."),
-    "export": ("export", "Write patches/, patches/series and the overlay from build/fork."),
-    "build": ("build", "Build the fork's vllm-ascend wheel into dist/."),
-    "test": ("test", "Run upstream's CPU suite on base and fork, the kernel checks and the tooling's tests."),
-    "rebase": ("rebase", "Move the series onto another vllm-ascend release."),
-    "deploy": ("deploy", "Deploy the fork into an installed vllm-ascend or a checkout, verify it, revert it."),
-    "pr": ("pr", "Print a patch of the series as an upstream pull request."),
-    "status": ("status", "Summarize the pin, the series, build/fork and the wheel."),
+    "apply": ("queue.cmd_apply", "Materialize the fork in build/fork: the base release, then the series with git am."),
+    "check": ("queue.cmd_check", "Check that the series applies exactly, matches the overlay and follows the conventions."),
+    "export": ("queue.cmd_export", "Write patches/, patches/series and the overlay from build/fork."),
+    "build": ("queue.cmd_build", "Build the fork's vllm-ascend wheel into dist/."),
+    "test": ("testing.cmd_test", "Run upstream's CPU suite on base and fork, the kernel checks and the tooling's tests."),
+    "rebase": ("rebase.cmd_rebase", "Move the series onto another vllm-ascend release."),
+    "deploy": ("deploy.cmd_deploy", "Deploy the fork into an installed vllm-ascend or a checkout, verify it, revert it."),
+    "pr": ("queue.cmd_pr", "Print a patch of the series as an upstream pull request."),
+    "status": ("queue.cmd_status", "Summarize the pin, the series, build/fork and the wheel."),
 }
 
 # Importable only in the tools environment (tools/requirements.txt); tomli: Python 3.10's TOML reader.
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         verb = args.verb
         if extra:  # unknown options on a verb: that verb's usage, not the top level's
             subparsers[verb].error(f"unrecognized arguments: {' '.join(extra)}")
-        from tools.fork import config
+        from tools.fork.core import config
 
         root = args.root if args.root is not None else config.REPO_ROOT
         cfg = config.load(root.resolve())

@@ -124,7 +124,7 @@ class Fork:
         self.git("commit", "-q", *(["-s"] if signoff else []), "-m", message)
 
     def protected(self) -> dict:
-        from tools.fork.txn import snapshot
+        from tools.fork.core.txn import snapshot
 
         return snapshot(
             [self.root / "patches", self.root / "fork.toml", self.root / "vllm_ascend", self.root / "tests"]

@@ -1,4 +1,4 @@
-"""`deploy` against a REAL pip-installed vllm-ascend (tools/fork/deploy_check.py), marked `real`.
+"""`deploy` against a REAL pip-installed vllm-ascend (tools/fork/deploy/check.py), marked `real`.
 
 Needs the CPU test environment (build/testenv/venv, or FORK_DEPLOY_PYTHON); skipped without it,
 and unless selected with `-m real` (or FORK_DEPLOY_PYTHON is set).
@@ -17,10 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import config, deploy_check, git, upstream
-from tools.fork.deploy_expected import expected
-from tools.fork.materialize import create_base
-from tools.fork.series import render
+from tools.fork.core import config
+from tools.fork.deploy import check as deploy_check
+from tools.fork.core import git
+from tools.fork.core import upstream
+from tools.fork.deploy.expected import expected
+from tools.fork.core.materialize import create_base
+from tools.fork.core.series import render
 
 pytestmark = pytest.mark.real
 

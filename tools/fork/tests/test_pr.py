@@ -7,9 +7,11 @@ the upstreamable patches' edits.
 
 from __future__ import annotations
 
-from tools.fork import git, materialize, upstream
-from tools.fork.config import load
-from tools.fork.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from tools.fork.core import git
+from tools.fork.core import materialize
+from tools.fork.core import upstream
+from tools.fork.core.config import load
+from tools.fork.core.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from tools.fork.tests.synthetic import SERIES, UPSTREAM, Fork, edited, message, replace
 
 A = "1.0"

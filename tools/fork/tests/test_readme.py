@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import config
-from tools.fork.upstream import sdist_name
+from tools.fork.core import config
+from tools.fork.core.upstream import sdist_name
 
 pytestmark = pytest.mark.slow
 

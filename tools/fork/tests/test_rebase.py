@@ -7,8 +7,10 @@ the overlay; outcomes and evidence are read from the tool's report.
 
 from __future__ import annotations
 
-from tools.fork import config, git, series
-from tools.fork.errors import (
+from tools.fork.core import config
+from tools.fork.core import git
+from tools.fork.core import series
+from tools.fork.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_CONFLICT,
     EXIT_IN_PROGRESS,

@@ -6,8 +6,11 @@ import os
 
 import pytest
 
-from tools.fork import cli, config, git, series
-from tools.fork.errors import (
+from tools.fork import cli
+from tools.fork.core import config
+from tools.fork.core import git
+from tools.fork.core import series
+from tools.fork.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_LOCAL_EDITS,
@@ -215,7 +218,8 @@ def test_workflow_giving_an_older_base_its_own_version_of_a_patch(tmp_path, monk
 
 
 def test_first_use_from_the_cache_and_from_the_registry(tmp_path, monkeypatch):
-    from tools.fork import registry, upstream
+    from tools.fork.core import registry
+    from tools.fork.core import upstream
     from tools.fork.tests.synthetic import make_sdist
 
     fork = make(tmp_path, monkeypatch, None)

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import config, series
-from tools.fork.config import OVERLAY_ROOTS, REPO_ROOT
+from tools.fork.core import config
+from tools.fork.core import series
+from tools.fork.core.config import OVERLAY_ROOTS, REPO_ROOT
 from tools.fork.tests.synthetic import Fork, const, replace
 
 pytestmark = pytest.mark.slow

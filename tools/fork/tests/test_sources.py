@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import registry, upstream
-from tools.fork.config import Base
-from tools.fork.errors import BadInput
+from tools.fork.core import registry
+from tools.fork.core import upstream
+from tools.fork.core.config import Base
+from tools.fork.core.errors import BadInput
 from tools.fork.tests.synthetic import UPSTREAM, Fork, make_sdist
 
 
@@ -68,7 +69,7 @@ def test_a_verified_checkout_is_remembered_instead_of_downloading(tmp_path, monk
     fork.ok("apply", "--checkout", str(tree), "--base-only")
     # no sdist in the cache and no registry: the remembered checkout is used
     monkeypatch.setattr(registry, "_pip_download", lambda *a, **k: pytest.fail("downloaded"))
-    from tools.fork import config
+    from tools.fork.core import config
 
     src = upstream.fetch_sdist(config.load(fork.root), Base("1.0", fork.sha["1.0"]))
     assert src.checkout == tree.resolve() and "remembered" in src.verified
@@ -85,7 +86,7 @@ def test_a_verified_sdist_is_cached(tmp_path, monkeypatch):
 
 def test_any_release_resolves_with_its_version_checked(tmp_path, monkeypatch):
     fork = Fork(tmp_path, monkeypatch, {"1.0": UPSTREAM, "1.2rc1": UPSTREAM}, "1.0", ["1.0"])
-    from tools.fork import config
+    from tools.fork.core import config
 
     cfg = config.load(fork.root)
     src, base, first_use = upstream.resolve_any(cfg, "1.2rc1")

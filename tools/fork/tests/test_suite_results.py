@@ -10,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import exclusions, junit, results, steps, suite, testenv
-from tools.fork.errors import BadInput
+from tools.fork.testing import exclusions
+from tools.fork.testing import junit
+from tools.fork.testing import results
+from tools.fork.testing import steps
+from tools.fork.testing import suite
+from tools.fork.testing import testenv
+from tools.fork.core.errors import BadInput
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import base_recipe, testenv, venvs
-from tools.fork.errors import BadInput, ForkError
+from tools.fork.testing import base_recipe
+from tools.fork.testing import testenv
+from tools.fork.testing import venvs
+from tools.fork.core.errors import BadInput, ForkError
 
 # --- the environment: requirements, stamps, idempotency ----------------------------------
 

@@ -64,7 +64,7 @@ read -r PIN SDIST_PATH < <("$PYTHON" -c '
 from tools.fork.core import config
 from tools.fork.core import upstream
 cfg = config.load()
-print(cfg.pin.version, upstream.fetch_sdist(cfg, cfg.pin).sdist)') || die "could not get the pinned sdist"
+print(cfg.pin.version, upstream.obtain(cfg).source.sdist)') || die "could not get the pinned sdist"
 SDIST="$(basename "$SDIST_PATH")"
 say "pin: vllm-ascend $PIN ($SDIST_PATH)"
 

@@ -1,7 +1,10 @@
-"""Getting an upstream release's files: a verified sdist (given, cached or downloaded) or a checkout.
+"""Obtaining an upstream release's files: `obtain`, the one way every verb gets a release.
 
-The sdist comes from the package registry (registry.py), a local file or the cache; an existing
-upstream checkout is used when given. Always verified before use."""
+`obtain(cfg, version, sdist=, checkout=, version_unchecked=)` returns a Release: where the files come
+from (a verified sdist: given, cached or downloaded from the package registry; or a checkout) and the
+release's Base (version, sha256). A base fork.toml lists is verified against its sha256; another
+release (only where the verb allows it) is checked by version and trusted on first use.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +16,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fork.core import git
-from tools.fork.core import safetar
-from tools.fork.core.config import Base, ForkConfig, cache_dir
+from tools.fork.core import git, safetar
+from tools.fork.core.config import VERSION_RE, Base, ForkConfig, cache_dir
 from tools.fork.core.errors import BadInput, UpstreamUnavailable
 from tools.fork.core.registry import cached_sdist, download_sdist
 from tools.fork.core.registry import sdist_name as sdist_name  # re-exported: tests take it from here
@@ -59,7 +61,7 @@ def _verify(path: Path, base: Base, origin: str) -> None:
         )
 
 
-def fetch_sdist(cfg: ForkConfig, base: Base, *, sdist: Path | None = None) -> Source:
+def _fetch_sdist(cfg: ForkConfig, base: Base, *, sdist: Path | None = None) -> Source:
     """A verified sdist of `base`: a given file, the cache, or the registry."""
     if sdist is not None:
         if not sdist.is_file():
@@ -72,7 +74,7 @@ def fetch_sdist(cfg: ForkConfig, base: Base, *, sdist: Path | None = None) -> So
     if cached.exists():
         _verify(cached, base, "the cached sdist")
         return Source(base.version, sdist=cached, verified=f"sha256 {base.sha256[:12]} (cache)")
-    remembered = remembered_checkout(base.version)
+    remembered = _remembered_checkout(base.version)
     if remembered is not None:
         return remembered
 
@@ -80,7 +82,7 @@ def fetch_sdist(cfg: ForkConfig, base: Base, *, sdist: Path | None = None) -> So
     return Source(base.version, sdist=cached, verified=f"sha256 {base.sha256[:12]} (downloaded)")
 
 
-def fetch_unpinned(cfg: ForkConfig, version: str, *, sdist: Path | None = None) -> tuple[Path, str]:
+def _fetch_unpinned(cfg: ForkConfig, version: str, *, sdist: Path | None = None) -> tuple[Path, str]:
     """An sdist of a release fork.toml does not list, its version checked (there is no sha256 to
     check it against): (path, where it came from: "given", "cache" or "registry")."""
     cached = cached_sdist(cfg, version)
@@ -133,7 +135,7 @@ def _remember_checkout(path: Path, version: str) -> None:
         pass
 
 
-def remembered_checkout(version: str) -> Source | None:
+def _remembered_checkout(version: str) -> Source | None:
     """A checkout of `version` given before with --checkout, if it still reads as that version."""
     import json
 
@@ -150,7 +152,7 @@ def remembered_checkout(version: str) -> Source | None:
     return Source(version, checkout=path, verified=f"checkout {path} at {version} ({how}; remembered)")
 
 
-def from_checkout(path: Path, version: str, *, version_unchecked: bool = False) -> Source:
+def _from_checkout(path: Path, version: str, *, version_unchecked: bool = False) -> Source:
     """An existing upstream checkout; its version must read as `version` (a mismatch is refused,
     an undeterminable version is refused unless `version_unchecked`)."""
     if not (path / "vllm_ascend").is_dir() or not (path / "setup.py").is_file():
@@ -242,21 +244,6 @@ def extract(source: Source, dest: Path) -> None:
             target.unlink()
 
 
-def resolve(
-    cfg: ForkConfig,
-    version: str | None,
-    *,
-    sdist: Path | None = None,
-    checkout: Path | None = None,
-    version_unchecked: bool = False,
-) -> Source:
-    """The source of a supported base, by the user's choice of origin."""
-    base = cfg.base(version)
-    if checkout is not None:
-        return from_checkout(checkout, base.version, version_unchecked=version_unchecked)
-    return fetch_sdist(cfg, base, sdist=sdist)
-
-
 def sdist_version(path: Path) -> str | None:
     """The Version: line of an sdist's PKG-INFO (None if it has none)."""
     try:
@@ -276,39 +263,107 @@ def require_sdist_version(path: Path, version: str) -> None:
         raise BadInput(f"{path} is version {found or '(none in PKG-INFO)'}, not {version}")
 
 
-def resolve_any(
+@dataclass(frozen=True)
+class Release:
+    """A release obtained by `obtain`: its files and its Base (version and sha256)."""
+
+    source: Source
+    base: Base
+    first_use: bool = False  # not in fork.toml: the sha256 is the file's own, trusted on first use
+    sdist_sha256: bool = True  # base.sha256 is an sdist's (False: a checkout's stand-in digest)
+    origin: str = ""  # for a release not in fork.toml: "the given sdist", "the cached sdist (...)", ...
+
+
+def add_source_arguments(p) -> None:
+    """--sdist / --checkout / --version-unchecked: where a verb gets its release from (passed to `obtain`)."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--sdist", type=Path, metavar="PATH", help="use this local sdist (sha256-checked) instead of the registry"
+    )
+    src.add_argument(
+        "--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist"
+    )
+    p.add_argument(
+        "--version-unchecked",
+        action="store_true",
+        help="accept a --checkout whose version cannot be read from it (tag, PKG-INFO, _version.py)",
+    )
+
+
+def check_named_sdist(sdist: Path | None) -> None:
+    """A --sdist the user named is checked first, whatever the verb then needs: a readable .tar.gz."""
+    if sdist is None:
+        return
+    if not sdist.is_file():
+        raise BadInput(f"--sdist {sdist}: {'not a file' if sdist.exists() else 'no such file'}")
+    try:
+        is_archive = tarfile.is_tarfile(sdist)
+    except OSError as exc:
+        raise BadInput(f"--sdist {sdist}: cannot read it ({exc.strerror or exc})") from None
+    if not is_archive:
+        raise BadInput(f"--sdist {sdist}: not an sdist (not a .tar.gz archive)")
+
+
+def require_version(version: str, what: str = "version") -> str:
+    """`version` as the registry spells it (a leading v dropped), or BadInput in one line."""
+    v = version.strip().removeprefix("v")
+    if not VERSION_RE.match(v):
+        raise BadInput(f"{what} {version!r} is not a release version (e.g. 0.23.0.post1 or 0.30.0rc2)")
+    return v
+
+
+def obtain(
     cfg: ForkConfig,
-    version: str,
+    version: str | None = None,
     *,
     sdist: Path | None = None,
     checkout: Path | None = None,
     version_unchecked: bool = False,
-) -> tuple[Source, Base, bool]:
-    """The source of any release: (source, Base with the sdist's sha256, trusted on first use?).
+    listed_only: bool = True,
+) -> Release:
+    """The release `version` (default: the pin), from the origin the user chose: the one way to get one.
 
-    A base fork.toml lists is verified against its sha256; another release is taken as it is
-    (a given sdist or checkout, else the cache, else the package registry), its version checked,
-    its sha256 reported as trusted on first use."""
+    A base fork.toml lists: a given sdist, the cache, a checkout given before or the registry, its
+    sha256 verified; or a given checkout, its version checked. Any other release, when not
+    `listed_only`: its version checked and its sha256 trusted on first use (with a checkout, the
+    cached sdist's sha256 when there is one)."""
+    check_named_sdist(sdist)
+    version = cfg.pin.version if version is None else require_version(version)
     known = next((b for b in cfg.bases if b.version == version), None)
     if known is not None:
-        return resolve(cfg, version, sdist=sdist, checkout=checkout, version_unchecked=version_unchecked), known, False
-    if checkout is not None:
-        src = from_checkout(checkout, version, version_unchecked=version_unchecked)
-        return src, Base(version, _checkout_digest(checkout)), True
+        if checkout is not None:
+            return Release(_from_checkout(checkout, version, version_unchecked=version_unchecked), known)
+        return Release(_fetch_sdist(cfg, known, sdist=sdist), known)
+    if listed_only:
+        cfg.base(version)  # raises BadInput naming the bases fork.toml lists
     cached = cached_sdist(cfg, version)
+    if checkout is not None:
+        src = _from_checkout(checkout, version, version_unchecked=version_unchecked)
+        if cached.exists():
+            require_sdist_version(cached, version)
+            return Release(src, Base(version, sha256_of(cached)), first_use=True)
+        return Release(src, Base(version, _checkout_digest(checkout)), first_use=True, sdist_sha256=False)
     if sdist is None and not cached.exists():
-        remembered = remembered_checkout(version)
+        remembered = _remembered_checkout(version)
         if remembered is not None:
-            return remembered, Base(version, _checkout_digest(remembered.checkout)), True
-    path, where = fetch_unpinned(cfg, version, sdist=sdist)
+            return Release(
+                remembered, Base(version, _checkout_digest(remembered.checkout)), first_use=True, sdist_sha256=False
+            )
+    path, where = _fetch_unpinned(cfg, version, sdist=sdist)
     if where == "given":
         _cache_sdist(cfg, version, sdist)
     origin = {"given": "local file", "cache": "cache", "registry": "downloaded"}[where]
     sha256 = sha256_of(path)
-    return (
-        Source(version, sdist=path, verified=f"sha256 {sha256[:12]} ({origin})"),
+    said = {
+        "given": "the given sdist",
+        "cache": "the cached sdist (not yet in fork.toml)",
+        "registry": "downloaded from the package registry",
+    }[where]
+    return Release(
+        Source(version, sdist=path, verified=f"sha256 {sha256[:12]} ({origin}; not in fork.toml: first use)"),
         Base(version, sha256),
-        True,
+        first_use=True,
+        origin=said,
     )
 
 

@@ -31,13 +31,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.fork.core import config
-from tools.fork.testing import junit
-from tools.fork.core import upstream
-from tools.fork.testing import venvs
+from tools.fork.core import config, upstream
+from tools.fork.core.errors import BadInput, ForkError
 from tools.fork.deploy.expected import PACKAGE, Expected, expected, sha256
 from tools.fork.deploy.target import BACKUP_DIR
-from tools.fork.core.errors import BadInput, ForkError
+from tools.fork.testing import junit, venvs
 
 SCRIPT = Path("docker") / "deploy-installed.sh"
 PIP_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
@@ -110,7 +108,7 @@ def wheel_for(cfg: config.ForkConfig, version: str, python: Path, work: Path) ->
     found = sorted(wheels.glob(f"vllm_ascend-{version}-*.whl"))
     if found:
         return found[-1]
-    sdist = upstream.resolve(cfg, version).sdist
+    sdist = upstream.obtain(cfg, version).source.sdist
     tmp = wheels.with_name(wheels.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp, sdist]

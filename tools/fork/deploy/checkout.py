@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import re
 
-from tools.fork.core import git
-from tools.fork.core import series
+from tools.fork.core import git, series
 from tools.fork.core.config import ForkConfig
-from tools.fork.deploy.target import CHECKOUT_STATE, Target, load_json, refuse_if_deployed
 from tools.fork.core.errors import BadInput, ForkError, LocalEdits
+from tools.fork.deploy.target import CHECKOUT_STATE, Target, load_json, refuse_if_deployed
 
 
 def deploy_checkout(cfg: ForkConfig, target: Target, version: str) -> list[str]:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tools.fork.core import upstream
 from tools.fork.core.config import ForkConfig
+from tools.fork.core.errors import EXIT_FAILED, EXIT_OK, BadInput
 from tools.fork.deploy.checkout import deploy_checkout, revert_checkout
 from tools.fork.deploy.expected import PACKAGE, expected
 from tools.fork.deploy.package import Row, deploy_package, record_problems, revert_package, verify_rows
 from tools.fork.deploy.target import CHECKOUT_STATE, Target, base_version, find_target, refuse_if_deployed
-from tools.fork.core.errors import EXIT_FAILED, EXIT_OK, BadInput
 
 HELP = __doc__
 
@@ -107,6 +108,7 @@ def verify(cfg: ForkConfig, target: Target, version: str, *, sdist: Path | None 
 
 def run(args, cfg) -> int:
     path = args.to or args.verify or args.revert
+    upstream.check_named_sdist(args.sdist)
     target = find_target(path)
     for note in target.notes:
         print(f"fork deploy: note: {note}")
@@ -123,6 +125,8 @@ def run(args, cfg) -> int:
     if args.to:
         refuse_if_deployed(target)
     version = base_version(cfg, target, args.base, fork_build_ok=bool(args.verify))
+    if args.sdist is not None:  # a named sdist is verified even when an earlier deploy's tree makes it unneeded
+        upstream.obtain(cfg, version, sdist=args.sdist)
     if args.verify:
         return EXIT_OK if verify(cfg, target, version, sdist=args.sdist) else EXIT_FAILED
     if target.kind == "checkout":

@@ -6,10 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fork.core import git
-from tools.fork.core import overlay
-from tools.fork.core import series
-from tools.fork.core import upstream
+from tools.fork.core import git, overlay, series, upstream
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.materialize import materialize
 from tools.fork.core.series import base_tag
@@ -46,7 +43,7 @@ def expected(cfg: ForkConfig, version: str, *, sdist: Path | None = None, scope:
     """The fork of base `version`, materialized in build/deploy/<version> (owned by this verb)."""
     patches = series.read(cfg, version)
     tree = (cfg.build_dir / "deploy" / version).resolve()
-    materialize(tree, lambda: upstream.resolve(cfg, version, sdist=sdist), version, patches, force=True)
+    materialize(tree, lambda: upstream.obtain(cfg, version, sdist=sdist).source, version, patches, force=True)
     paths = ["--", f"{scope}/"] if scope else []
     log = git.out(["log", "--format=", "--name-only", "--no-renames", f"{base_tag(version)}..HEAD", *paths], tree)
     changes = [

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from tools.fork.core import git
 from tools.fork.core.config import ForkConfig
+from tools.fork.core.errors import BadInput, ForkError, LocalEdits
+from tools.fork.core.txn import StagedWrite
+from tools.fork.deploy.dist_record import record_hash, record_rows, record_with
 from tools.fork.deploy.expected import PACKAGE, Change, Expected, expected, read, sha256
 from tools.fork.deploy.target import (
     BACKUP_DIR,
@@ -20,9 +23,6 @@ from tools.fork.deploy.target import (
     load_json,
     refuse_if_deployed,
 )
-from tools.fork.deploy.dist_record import record_hash, record_rows, record_with
-from tools.fork.core.errors import BadInput, ForkError, LocalEdits
-from tools.fork.core.txn import StagedWrite
 
 
 def _pycache(path: Path) -> list[Path]:

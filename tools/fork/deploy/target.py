@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tools.fork.core import git
 from tools.fork.core.config import ForkConfig
-from tools.fork.deploy.expected import PACKAGE
-from tools.fork.deploy.dist_record import record_rows
 from tools.fork.core.errors import BadInput
+from tools.fork.deploy.dist_record import record_rows
+from tools.fork.deploy.expected import PACKAGE
 
 BACKUP_DIR = "vllm_ascend-fork-deploy"  # beside the package directory, never inside it
 MANIFEST = "manifest.json"

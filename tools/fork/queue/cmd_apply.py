@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.fork.core import series
-from tools.fork.core import upstream
-from tools.fork.cli import add_source_arguments, check_named_source
+from tools.fork.core import series, upstream
 from tools.fork.core.materialize import materialize
 
 HELP = __doc__
@@ -23,13 +21,13 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--base-only", action="store_true", help="materialize the unpatched base (default DIR build/base-VERSION)"
     )
-    add_source_arguments(p)
+    upstream.add_source_arguments(p)
     p.add_argument("--force", action="store_true", help="discard local edits in DIR")
 
 
 def run(args, cfg) -> int:
-    base = cfg.base(args.base)
-    check_named_source(args)
+    upstream.check_named_sdist(args.sdist)
+    base = cfg.base(None if args.base is None else upstream.require_version(args.base, "--base"))
     if args.base_only:
         patches = []
         tree = args.into or cfg.default_base_dir(base.version)
@@ -41,13 +39,13 @@ def run(args, cfg) -> int:
     def source():
         if not sources:
             sources.append(
-                upstream.resolve(
+                upstream.obtain(
                     cfg,
                     base.version,
                     sdist=args.sdist,
                     checkout=args.checkout,
                     version_unchecked=args.version_unchecked,
-                )
+                ).source
             )
         return sources[-1]
 

@@ -13,10 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.fork.core import git
-from tools.fork.core import series
-from tools.fork.queue import wheel
+from tools.fork.core import git, series
 from tools.fork.core.errors import ForkError
+from tools.fork.queue import wheel
 
 HELP = __doc__
 

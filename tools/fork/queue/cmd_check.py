@@ -14,14 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.fork import cli
-from tools.fork.core import overlay
-from tools.fork.core import series
-from tools.fork.core import upstream
+from tools.fork.core import overlay, series, upstream
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import EXIT_FAILED, EXIT_OK
 from tools.fork.core.materialize import ApplyFailed, materialize
 from tools.fork.core.series import Patch, convention_problems, hunk_positions, render
+from tools.fork.testing.session import RunOptions, run_tests
 
 HELP = __doc__
 
@@ -29,7 +27,7 @@ HELP = __doc__
 def add_arguments(p) -> None:
     p.add_argument("--all-bases", action="store_true", help="also apply the series to every base in fork.toml")
     p.add_argument("--test", action="store_true", help="also run the fork's tests on every base checked")
-    cli.add_source_arguments(p)
+    upstream.add_source_arguments(p)
 
 
 def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) -> list[str]:
@@ -99,6 +97,10 @@ def series_file_problems(cfg: ForkConfig) -> list[str]:
     on_disk = {p.name for p in cfg.patches_dir.glob("*.patch")}
     for name in sorted(on_disk - set(names)):
         problems.append(f"patches/{name} is not listed in patches/series")
+    numbers = [series.number(n) for n in names]
+    for n in sorted({n for n in numbers if numbers.count(n) > 1}):
+        same = ", ".join(x for x in names if series.number(x) == n)
+        problems.append(f"patches/series: two or more patches are numbered {n}- ({same})")
     for name in cfg.fork_only:
         if name not in names:
             problems.append(f"fork.toml marks {name} fork-only, but patches/series does not list it")
@@ -124,7 +126,7 @@ def _source_for(cfg: ForkConfig, version: str, args):
             sdist = None
         if checkout is not None and not unchecked and upstream.checkout_version(checkout)[0] != version:
             checkout = None
-    return upstream.resolve(cfg, version, sdist=sdist, checkout=checkout, version_unchecked=unchecked)
+    return upstream.obtain(cfg, version, sdist=sdist, checkout=checkout, version_unchecked=unchecked).source
 
 
 def check_base(cfg: ForkConfig, version: str, args) -> list[str]:
@@ -162,7 +164,8 @@ def run(args, cfg) -> int:
         print(f"fork check: {label} vllm-ascend {version}: {n} patch(es): {status}")
         problems += [f"[{version}] {msg}" for msg in found]
         if getattr(args, "test", False) and not found:
-            rc = cli.run_fork_tests(cfg, version)
+            print(f"fork check: running the fork's tests on {version}", flush=True)
+            rc = run_tests(cfg, RunOptions(base=version))
             if rc:
                 problems.append(f"[{version}] the fork's tests failed (exit {rc})")
     for msg in problems:

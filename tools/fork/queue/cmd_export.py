@@ -14,9 +14,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from tools.fork.core import git
-from tools.fork.core import overlay
-from tools.fork.core import series
+from tools.fork.core import git, overlay, series
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import BadInput, LocalEdits
 from tools.fork.core.forktoml import rename_toml_entries
@@ -205,13 +203,12 @@ def _require_applies_without_fork_only(cfg: ForkConfig, patches: list[series.Pat
     """The upstreamable patches must be a clean `git am` series on the pin by themselves."""
     if not set(cfg.fork_only) & set(series.read_names(cfg)):
         return  # the same series `check` applies
-    from tools.fork.core import materialize
-    from tools.fork.core import upstream
+    from tools.fork.core import materialize, upstream
 
     cfg.build_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cfg.build_dir, prefix="export-upstream-") as tmp:
         tree = Path(tmp) / "tree"
-        materialize.create_base(upstream.resolve(cfg, None), tree)
+        materialize.create_base(upstream.obtain(cfg).source, tree)
         try:
             materialize.apply_series(tree, patches)
         except materialize.ApplyFailed as exc:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from tools.fork.core import git
-from tools.fork.core import materialize
-from tools.fork.core import series
-from tools.fork.queue import wheel
+from tools.fork.core import git, materialize, series
 from tools.fork.core.errors import InProgress
+from tools.fork.queue import wheel
 from tools.fork.rebase.state import State, workdir
 
 HELP = __doc__

@@ -8,9 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from tools.fork.core import config
-from tools.fork.core import series
-from tools.fork.core import upstream
+from tools.fork.core import config, series, upstream
 from tools.fork.core.materialize import materialize
 
 DEFAULT_SOC_VERSION = "ascend910b1"  # A2; only used when neither SOC_VERSION nor a toolkit says otherwise
@@ -63,7 +61,7 @@ def build_environment(cfg: config.ForkConfig) -> tuple[dict[str, str], list[str]
 def materialized_pin(cfg: config.ForkConfig) -> Path:
     """The pinned base plus the series in build/fork (made or reused; never discards edits)."""
     tree = cfg.default_fork_dir().resolve()
-    materialize(tree, lambda: upstream.resolve(cfg, None), cfg.pin.version, series.read(cfg))
+    materialize(tree, lambda: upstream.obtain(cfg).source, cfg.pin.version, series.read(cfg))
     return tree
 
 

@@ -7,12 +7,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fork.core import git
-from tools.fork.core import materialize
-from tools.fork.core import series
+from tools.fork.core import git, materialize, series
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import EXIT_CONFLICT, ForkError
 from tools.fork.core.materialize import ApplyFailed
+from tools.fork.core.series import base_tag, hunk_positions
 from tools.fork.rebase.state import (
     ALREADY_UPSTREAM,
     APPLIED_3WAY,
@@ -25,7 +24,6 @@ from tools.fork.rebase.state import (
     State,
     workdir,
 )
-from tools.fork.core.series import base_tag, hunk_positions
 
 
 @dataclass

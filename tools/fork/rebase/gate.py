@@ -20,14 +20,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tools.fork.core import git
-from tools.fork.testing import suite
-from tools.fork.testing import testenv
 from tools.fork.core.errors import ForkError
-from tools.fork.testing.exclusions import EXCLUSIONS_FILE, ignored_paths, is_excluded, load_exclusions, resolve_exclusions
-from tools.fork.testing.junit import counts, fmt_counts, is_test_file, parse_junit
 from tools.fork.core.materialize import materialize
-from tools.fork.testing.results import compare
 from tools.fork.core.series import base_tag
+from tools.fork.testing import suite, testenv
+from tools.fork.testing.exclusions import (
+    EXCLUSIONS_FILE,
+    ignored_paths,
+    is_excluded,
+    load_exclusions,
+    resolve_exclusions,
+)
+from tools.fork.testing.junit import counts, fmt_counts, is_test_file, parse_junit
+from tools.fork.testing.results import compare
 
 
 @dataclass

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
-from tools.fork.core import git
-from tools.fork.core import materialize
-from tools.fork.core import registry
-from tools.fork.core import upstream
+from tools.fork.core import git, materialize, upstream
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import BadInput, ForkError, LocalEdits
 from tools.fork.core.materialize import ApplyFailed
+from tools.fork.core.series import base_tag
 from tools.fork.rebase.report import loud
 from tools.fork.rebase.state import OLD_REF, Item, State, digest, protected_files
-from tools.fork.core.series import base_tag
 
 
 def require_no_unexported_edits(cfg: ForkConfig) -> None:
@@ -30,41 +28,37 @@ def require_no_unexported_edits(cfg: ForkConfig) -> None:
             )
 
 
-def first_use_source(
-    cfg: ForkConfig, version: str, sdist: Path | None, checkout: Path | None, version_unchecked: bool = False
-):
-    """A release fork.toml does not list yet: take the sdist as it is and record its sha256 (TOFU).
-    With --checkout the files come from the checkout (its version checked) and the pin's sha256
-    from the release's sdist in the cache."""
-    cached = registry.cached_sdist(cfg, version)
-    if checkout is not None:
-        src = upstream.from_checkout(checkout, version, version_unchecked=version_unchecked)
-        if not cached.exists():
-            raise BadInput(
-                f"vllm-ascend {version} is not in fork.toml, and a pin records the release's sdist sha256: get the "
-                f"sdist once (`python -m tools.fork test --base {version} --env-only`, or --sdist PATH) and run again"
-            )
-        upstream.require_sdist_version(cached, version)
-        sha256 = upstream.sha256_of(cached)
-        loud(
-            f"TRUST ON FIRST USE: vllm-ascend {version} is not in fork.toml. Files from {checkout} "
-            f"({src.verified}); the pin records the cached sdist's sha256 {sha256}."
+def announce_first_use(cfg: ForkConfig, release: upstream.Release) -> None:
+    """A release fork.toml does not list yet: say loudly which sha256 the pin will record (TOFU)."""
+    version, src = release.base.version, release.source
+    if not release.sdist_sha256:
+        raise BadInput(
+            f"vllm-ascend {version} is not in fork.toml, and a pin records the release's sdist sha256: get the "
+            f"sdist once (`python -m tools.fork test --base {version} --env-only`, or --sdist PATH) and run again"
         )
-        return src, sha256
-    path, where = upstream.fetch_unpinned(cfg, version, sdist=sdist)
-    origin = {
-        "given": "the given sdist",
-        "cache": "the cached sdist (not yet in fork.toml)",
-        "registry": "downloaded from the package registry",
-    }[where]
-    sha256 = upstream.sha256_of(path)
+    if src.checkout:
+        where = f"files from {src.checkout} ({src.verified}); the pin records the cached sdist's"
+    else:
+        where = f"{release.origin}:\n  {src.sdist}"
     loud(
-        f"TRUST ON FIRST USE: vllm-ascend {version} is not in fork.toml. Using {origin}:\n"
-        f"  {path}\n  sha256 {sha256}\n"
+        f"TRUST ON FIRST USE: vllm-ascend {version} is not in fork.toml. Using {where}\n"
+        f"  sha256 {release.base.sha256}\n"
         "This sha256 is recorded in fork.toml if the rebase completes. Compare it with the hash the "
         f"package registry publishes for {cfg.dist} {version} before you commit fork.toml."
     )
-    return upstream.Source(version, sdist=path, verified=f"sha256 {sha256[:12]} (first use)"), sha256
+
+
+def _release_key(version: str) -> tuple:
+    """Order of releases: X.Y.Z, then a, b, rc (pre-releases before the final), then .postN."""
+    m = re.match(r"^(\d+(?:\.\d+)*)(?:(a|b|rc)(\d+))?(?:\.post(\d+))?", version)
+    nums = tuple(int(x) for x in m.group(1).split("."))
+    nums += (0,) * (4 - len(nums))
+    pre = ({"a": 0, "b": 1, "rc": 2}[m.group(2)], int(m.group(3))) if m.group(2) else (3, 0)
+    return nums, pre, int(m.group(4) or 0)
+
+
+def is_older(version: str, than: str) -> bool:
+    return _release_key(version) < _release_key(than)
 
 
 def setup(cfg, work: Path, old_pin: str, old_patches, version: str, source, target) -> State:
@@ -108,7 +102,7 @@ def _old_series_tree(cfg: ForkConfig, work: Path, old_pin: str, old_patches) -> 
     fork = cfg.default_fork_dir()
     tree = fork if not fork.exists() or materialize.base_version(fork) == old_pin else work / "old"
     try:
-        materialize.materialize(tree, lambda: upstream.resolve(cfg, old_pin), old_pin, old_patches)
+        materialize.materialize(tree, lambda: upstream.obtain(cfg, old_pin).source, old_pin, old_patches)
     except ApplyFailed as exc:
         raise ForkError(
             f"the current series does not apply to its pin {old_pin}: {exc}\n"

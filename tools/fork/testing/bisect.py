@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.fork.core import git
-from tools.fork.core import series
-from tools.fork.testing import suite
-from tools.fork.testing import testenv
+from tools.fork.core import git, series
 from tools.fork.core.errors import EXIT_FAILED
-from tools.fork.testing.junit import counts, fmt_counts, is_test_file
 from tools.fork.core.materialize import materialize
-from tools.fork.testing.results import compare
 from tools.fork.core.series import base_tag
+from tools.fork.testing import suite, testenv
+from tools.fork.testing.junit import counts, fmt_counts, is_test_file
+from tools.fork.testing.results import compare
 from tools.fork.testing.steps import KERNEL_TEST_DIR, kernel_op_step
 
 

@@ -10,9 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.fork.testing import testenv
-from tools.fork.testing import venvs
 from tools.fork.core.errors import BadInput, ForkError
+from tools.fork.testing import testenv, venvs
 from tools.fork.testing.junit import JUNIT_FAMILY, counts, parse_junit
 from tools.fork.testing.suite import results_dir
 

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fork.testing import testenv
 from tools.fork.core.errors import ForkError
+from tools.fork.testing import testenv
 from tools.fork.testing.junit import JUNIT_FAMILY, ParseError, Result, parse_junit
 
 UT_DIR = "tests/ut"

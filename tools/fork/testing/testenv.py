@@ -43,11 +43,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.fork.core.config import cache_dir
+from tools.fork.core.errors import ForkError
 from tools.fork.testing import base_recipe as recipe
 from tools.fork.testing import venvs
 from tools.fork.testing.base_recipe import BaseRecipe, read_base
-from tools.fork.core.config import cache_dir
-from tools.fork.core.errors import ForkError
 from tools.fork.testing.venvs import pip, run_logged, say
 
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.fork import cli
-from tools.fork.core import git
-from tools.fork.core import txn
+from tools.fork.core import git, txn
 from tools.fork.core.config import OVERLAY_ROOTS
 
 AUTHOR_NAME, AUTHOR_EMAIL = "Fork Dev", "dev@example.com"

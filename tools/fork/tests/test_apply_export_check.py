@@ -169,8 +169,8 @@ def test_export_failure_midway_leaves_everything(fork_with_patch, monkeypatch):
     import os
 
     from tools.fork.core import config
-    from tools.fork.queue import cmd_export as export
     from tools.fork.core import txn as txn_mod
+    from tools.fork.queue import cmd_export as export
 
     fork = fork_with_patch
     (fork.root / "vllm_ascend/ops/memmove.py").write_text("changed\n")

@@ -12,8 +12,8 @@ import io
 import pytest
 
 from tools.fork.core import txn
-from tools.fork.deploy.target import BACKUP_DIR
 from tools.fork.deploy.dist_record import record_with
+from tools.fork.deploy.target import BACKUP_DIR
 from tools.fork.tests.deploy_fixtures import *  # noqa: F401 (fixtures and helpers)
 from tools.fork.tests.deploy_fixtures import _offline_cache  # noqa: F401 (an autouse fixture)
 

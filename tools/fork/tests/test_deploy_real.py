@@ -17,13 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork.core import config
-from tools.fork.deploy import check as deploy_check
-from tools.fork.core import git
-from tools.fork.core import upstream
-from tools.fork.deploy.expected import expected
+from tools.fork.core import config, git, upstream
 from tools.fork.core.materialize import create_base
 from tools.fork.core.series import render
+from tools.fork.deploy import check as deploy_check
+from tools.fork.deploy.expected import expected
 
 pytestmark = pytest.mark.real
 
@@ -83,7 +81,7 @@ def standin_repo(tmp: Path) -> config.ForkConfig:
     (root / "patches").mkdir(parents=True)
     shutil.copy2(REAL.toml_path, root / "fork.toml")
     tree = tmp / "mat"
-    create_base(upstream.resolve(REAL, None), tree)
+    create_base(upstream.obtain(REAL).source, tree)
     envs = tree / "vllm_ascend" / "envs.py"
     text = envs.read_text()
     anchor = "env_variables: dict[str, Callable[[], Any]] = {\n"

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork.core import config
-from tools.fork.core import git
-from tools.fork.rebase import cmd_rebase as rebase
-from tools.fork.rebase import apply as rebase_apply
+from tools.fork.core import config, git
 from tools.fork.core.errors import (
     EXIT_CONFLICT,
     EXIT_FAILED,
     EXIT_LOCAL_EDITS,
 )
+from tools.fork.rebase import apply as rebase_apply
+from tools.fork.rebase import cmd_rebase as rebase
 from tools.fork.tests.synthetic import (
     COPY,
     REPO_ROOT,

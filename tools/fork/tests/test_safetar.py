@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork.core import safetar
-from tools.fork.core import upstream
+from tools.fork.core import safetar, upstream
 from tools.fork.core.errors import UpstreamUnavailable
 from tools.fork.tests.conftest import UPSTREAM_FILES, make_sdist
 

@@ -10,13 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork.testing import exclusions
-from tools.fork.testing import junit
-from tools.fork.testing import results
-from tools.fork.testing import steps
-from tools.fork.testing import suite
-from tools.fork.testing import testenv
 from tools.fork.core.errors import BadInput
+from tools.fork.testing import exclusions, junit, results, steps, suite, testenv
 
 REPO = Path(__file__).resolve().parents[3]
 

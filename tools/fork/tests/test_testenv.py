@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork.testing import base_recipe
-from tools.fork.testing import testenv
-from tools.fork.testing import venvs
 from tools.fork.core.errors import BadInput, ForkError
+from tools.fork.testing import base_recipe, testenv, venvs
 
 # --- the environment: requirements, stamps, idempotency ----------------------------------
 

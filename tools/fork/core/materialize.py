@@ -14,9 +14,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tools.fork.core import git
-from tools.fork.core import series
-from tools.fork.core import upstream
+from tools.fork.core import git, series, upstream
 from tools.fork.core.errors import BadInput, ForkError, LocalEdits
 from tools.fork.core.series import Patch, base_tag
 
@@ -195,13 +193,9 @@ def materialize(
     `repo` (default: the one holding the patches) holds, e.g. an export that was discarded.
     """
     wanted = [(p.name, p.sha256) for p in patches]
+    if git.is_repo(tree) and base_version(tree) != version:
+        _replace_stale(tree, version, force=force)
     if git.is_repo(tree):
-        have = base_version(tree)
-        if have != version:
-            raise LocalEdits(
-                f"{tree} is materialized on vllm-ascend {have or '(unknown)'}, not {version}; "
-                "remove it or choose another --into"
-            )
         state = State.load(tree)
         edits = local_edits(tree)
         if edits and not force:
@@ -242,6 +236,25 @@ def materialize(
         tree
     )
     return outcome
+
+
+def _replace_stale(tree: Path, version: str, *, force: bool) -> None:
+    """A tree materialized on another release (e.g. by a rebase that was then discarded with git): made
+    again on `version` when nothing in it is the user's own work (or with `force`); refused otherwise."""
+    have = base_version(tree)
+    edits = local_edits(tree) if have is not None else ["it is not a tree the tooling made (no upstream root commit)"]
+    if edits and not force:
+        raise LocalEdits(
+            f"{tree} is materialized on vllm-ascend {have or '(unknown)'}, not {version}, and holds work of "
+            "its own:\n  - "
+            + "\n  - ".join(edits)
+            + "\nKeep it: move the folder away. Drop it: `python -m tools.fork apply --force`."
+        )
+    print(
+        f"fork: {tree} was materialized on vllm-ascend {have or '(unknown)'}, not {version}: making it again",
+        flush=True,
+    )
+    shutil.rmtree(tree)
 
 
 def commits(tree: Path, version: str) -> list[str]:

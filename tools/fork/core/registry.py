@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tools.fork.core.config import ForkConfig, cache_dir
-from tools.fork.core.errors import UpstreamUnavailable
+from tools.fork.core.errors import BadInput, UpstreamUnavailable
 
 # What pip needs to read vllm-ascend's sdist metadata without Ascend tooling.
 _PIP_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0"}
@@ -80,11 +81,12 @@ def _pip_download(cfg: ForkConfig, version: str, dest: Path) -> Path:
     env.update(_PIP_ENV, PIP_DISABLE_PIP_VERSION_CHECK="1")
     cmd = [
         str(python), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--pre",
-        "--no-build-isolation", "--progress-bar", "on", "-d", str(dest), f"{cfg.dist}=={version}",
+        "--no-build-isolation", "--progress-bar", "off", "-d", str(dest), f"{cfg.dist}=={version}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     found = list(dest.glob("*.tar.gz"))
     if proc.returncode != 0 and not found:
+        unknown_version_error(cfg.dist, version, proc.stderr)
         tail = "\n  ".join(proc.stderr.strip().splitlines()[-6:])
         raise UpstreamUnavailable(
             f"could not download {cfg.dist}=={version} from the package registry:\n  {tail}\n"
@@ -93,6 +95,14 @@ def _pip_download(cfg: ForkConfig, version: str, dest: Path) -> Path:
     if len(found) != 1:
         raise UpstreamUnavailable(f"pip left {len(found)} sdists in {dest}, expected one")
     return found[0]
+
+
+def unknown_version_error(dist: str, version: str, pip_stderr: str) -> None:
+    """pip found the project but not this version: BadInput in one line (not pip's listing of every version)."""
+    m = re.search(r"\(from versions: ([^)]*)\)", pip_stderr)
+    listed = [v.strip() for v in m.group(1).split(",") if v.strip() and v.strip() != "none"] if m else []
+    if listed:
+        raise BadInput(f"{dist} {version} is not a release on the package registry (newest: {listed[-1]})")
 
 
 def download_sdist(cfg: ForkConfig, version: str, accept: Callable[[Path], None]) -> Path:

@@ -181,6 +181,24 @@ def carry_variant_only(cfg: ForkConfig, pin_names: list[str]) -> list[str]:
     return out
 
 
+def number(name: str) -> str:
+    """The number a patch name starts with ("0002" of "0002-Ops-...", "0001a" of "0001a-...")."""
+    return name.split("-", 1)[0]
+
+
+def unique_number(name: str, after: str | None, taken: set[str]) -> str:
+    """`name`, or when its number is taken, renumbered after the patch `after` (the one before it in
+    the series): 0001a-, 0001b-, ... so that patches/series keeps one patch per number, in order."""
+    if number(name) not in taken:
+        return name
+    base = number(after) if after else "0000"
+    slug = name.split("-", 1)[1] if "-" in name else name
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        if f"{base}{letter}" not in taken:
+            return f"{base}{letter}-{slug}"
+    raise BadInput(f"no free number for {name} after {after}")
+
+
 def series_text(names: list[str]) -> str:
     return "".join(f"{n}\n" for n in names)
 

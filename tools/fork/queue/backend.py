@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,7 +29,11 @@ def _in_materialized_tree():
     os.environ.update(env)
     os.chdir(tree)
     try:
-        yield
+        with warnings.catch_warnings():
+            # Upstream's setup.py declares its licence as a classifier, which setuptools >= 77 flags as
+            # deprecated at every build step: upstream's metadata, not ours to change in a build.
+            warnings.filterwarnings("ignore", message="License classifiers are deprecated")
+            yield
     finally:
         os.chdir(saved_cwd)
         os.environ.clear()

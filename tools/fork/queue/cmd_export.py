@@ -153,7 +153,8 @@ def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[Path]]:
     if version != cfg.pin.version:
         raise BadInput(
             f"{tree} is materialized on {version}; `export` writes the pin's series ({cfg.pin.version}). "
-            f"Use `rebase --onto {version}` to move the series to another base."
+            f"Use `rebase --onto {version}` to move the series to another base, or `apply` to make {tree} "
+            f"the pin's tree again (a tree left by a rebase that was not kept)."
         )
     _require_exportable(tree)
     folded = fold_overlay_edits(cfg, tree, version)

@@ -48,6 +48,9 @@ def print_conflict(cfg: ForkConfig, st: State, c: Conflict) -> None:
     print(
         f"fork rebase: CONFLICT in patch {st.index + 1}/{n} {c.item.name} ({c.item.origin}) onto vllm-ascend {st.onto}"
     )
+    tried = list(dict.fromkeys(st.tried.get(c.item.name, [])))
+    if len(tried) > 1:
+        print(f"  versions tried, none applies: {', '.join(tried)} (the conflict below is {c.item.origin}'s)")
     for line in c.files or [f"git am -3 could not apply it: {c.detail}"]:
         print(f"  {line}")
     unresolved = [line.split(":", 1)[0] for line in c.files]

@@ -6,19 +6,14 @@ import os
 import shutil
 from pathlib import Path
 
-from tools.fork import cli
-from tools.fork.core import config
-from tools.fork.core import forktoml
-from tools.fork.core import git
-from tools.fork.core import materialize
-from tools.fork.core import overlay
-from tools.fork.core import series
+from tools.fork.core import config, forktoml, git, materialize, overlay, series
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import EXIT_FAILED, ForkError
-from tools.fork.rebase.report import failure, loud, print_table, written_but
-from tools.fork.rebase.state import OLD_REF, State, digest, protected_files, require_unchanged
 from tools.fork.core.series import base_tag
 from tools.fork.core.txn import StagedWrite, signals_deferred
+from tools.fork.rebase.report import failure, loud, print_table, written_but
+from tools.fork.rebase.state import OLD_REF, State, digest, protected_files, require_unchanged
+from tools.fork.testing.session import RunOptions, run_tests
 
 
 def finish(cfg: ForkConfig, work: Path, st: State) -> int:
@@ -66,7 +61,8 @@ def finish(cfg: ForkConfig, work: Path, st: State) -> int:
     except BaseException as exc:
         raise failure(exc, written_but()) from None
     if st.test:
-        rc = cli.run_fork_tests(cfg, st.onto)
+        print(f"fork rebase: running the fork's tests on {st.onto}", flush=True)
+        rc = run_tests(config.load(cfg.root), RunOptions(base=st.onto))
         if rc:
             print(f"fork rebase: the fork's tests FAILED on {st.onto} (exit {rc}); the rebase itself is written")
             return EXIT_FAILED
@@ -84,6 +80,16 @@ def plan(cfg: ForkConfig, tree: Path, st: State) -> tuple[dict[str, bytes | None
         )
     new_name = {r.name: name for r, (name, _) in zip(applied, rendered)}
     data_of = dict(rendered)
+    # A patch the new pin does not apply keeps its name, unless the renumbered series took its number.
+    taken, previous = {series.number(n) for n in data_of}, None
+    for item in st.items:
+        if item.name in new_name:
+            previous = new_name[item.name]
+        else:
+            new_name_unapplied = series.unique_number(item.name, previous, taken)
+            taken.add(series.number(new_name_unapplied))
+            if new_name_unapplied != item.name:
+                new_name.setdefault(item.name, new_name_unapplied)
     kept = [b for b in cfg.bases if b.version != st.onto and not (st.drop_old_base and b.version == st.old_pin)]
     effective = {b.version: dict(series.resolve(cfg, b.version)) for b in kept}
 
@@ -98,7 +104,7 @@ def plan(cfg: ForkConfig, tree: Path, st: State) -> tuple[dict[str, bytes | None
 
     for item in st.items:
         name = new_name.get(item.name, item.name)
-        main = data_of[new_name[item.name]] if item.name in new_name else None
+        main = data_of.get(name)
         variants: dict[str, bytes] = {}
         for b in kept:
             path = effective[b.version][item.name]

@@ -1,4 +1,4 @@
-"""The kernel checks' triton-ascend venv under build/, made by the fork's one venv builder (tools/fork/testing/venvs.py).
+"""The kernel checks' triton-ascend venv under build/, made by the fork's one venv builder (tools/fork/testing/).
 
     python -m tools.kernel_harness.envs ascend   # build/ascend-venv: torch CPU + triton-ascend (front end)
 

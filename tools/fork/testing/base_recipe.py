@@ -62,7 +62,7 @@ DROPPED_REQUIREMENTS = (
 # torchvision.transforms.v2), not its ops: TORCHVISION_SHIM defines the two schemas first.
 TORCHVISION = "torchvision==0.28.0"  # the release paired with torch 2.13
 TORCHVISION_SHIM = """\
-# Written by tools/fork/testing/testenv.py (the fork's CPU test env). PyPI's torchvision is a CUDA
+# Written by tools/fork/testenv.py (the fork's CPU test env). PyPI's torchvision is a CUDA
 # build whose C++ ops do not load beside the CPU torch wheel; its Python side then fails
 # registering fake kernels for torchvision::nms / qnms. Define those two schemas just before
 # torchvision is first imported (torch is not imported at interpreter start-up).

@@ -61,6 +61,8 @@ DROPPED_REQUIREMENTS = (
 # importable (transformers' Qwen2-VL image processor, reached from vllm_ascend's patches, imports
 # torchvision.transforms.v2), not its ops: TORCHVISION_SHIM defines the two schemas first.
 TORCHVISION = "torchvision==0.28.0"  # the release paired with torch 2.13
+# The shim's text is part of every test venv's recipe hash: editing it, even its comments, rebuilds
+# every cached test environment.
 TORCHVISION_SHIM = """\
 # Written by tools/fork/testenv.py (the fork's CPU test env). PyPI's torchvision is a CUDA
 # build whose C++ ops do not load beside the CPU torch wheel; its Python side then fails

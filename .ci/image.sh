@@ -61,9 +61,10 @@ BUILD=(podman build --isolation chroot --pull=never)
 
 # --- the pin, its verified sdist -----------------------------------------------------------------
 read -r PIN SDIST_PATH < <("$PYTHON" -c '
-from tools.fork import config, upstream
+from tools.fork.core import config
+from tools.fork.core import upstream
 cfg = config.load()
-print(cfg.pin.version, upstream.fetch_sdist(cfg, cfg.pin).sdist)') || die "could not get the pinned sdist"
+print(cfg.pin.version, upstream.obtain(cfg).source.sdist)') || die "could not get the pinned sdist"
 SDIST="$(basename "$SDIST_PATH")"
 say "pin: vllm-ascend $PIN ($SDIST_PATH)"
 

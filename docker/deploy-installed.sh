@@ -1,6 +1,6 @@
 #!/bin/sh
 # Deploy the fork into the vllm_ascend that PYTHON imports, then verify it by content hash.
-# docker/Dockerfile.deploy runs this in the image; tools/fork/deploy_check.py (the CI test) runs
+# docker/Dockerfile.deploy runs this in the image; tools/fork/deploy/check.py (the CI test) runs
 # it against a real pip-installed vllm-ascend: the image build and the test run the same commands.
 #
 #   usage: docker/deploy-installed.sh [PYTHON [DEPLOY OPTIONS]]

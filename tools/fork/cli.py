@@ -9,25 +9,32 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
-from tools.fork.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, BadInput, ForkError
+from tools.fork.core.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, ForkError
 
 # verb -> (module under tools.fork, one-sentence summary for `--help`);
 # each module has HELP, add_arguments(parser), run(args, cfg) -> int
 VERBS = {
-    "apply": ("apply", "Materialize the fork in build/fork: the base release, then the series with git am."),
-    "check": ("check", "Check that the series applies exactly, matches the overlay and follows the conventions."),
-    "export": ("export", "Write patches/, patches/series and the overlay from build/fork."),
-    "build": ("build", "Build the fork's vllm-ascend wheel into dist/."),
-    "test": ("test", "Run upstream's CPU suite on base and fork, the kernel checks and the tooling's tests."),
-    "rebase": ("rebase", "Move the series onto another vllm-ascend release."),
-    "deploy": ("deploy", "Deploy the fork into an installed vllm-ascend or a checkout, verify it, revert it."),
-    "pr": ("pr", "Print a patch of the series as an upstream pull request."),
-    "status": ("status", "Summarize the pin, the series, build/fork and the wheel."),
+    "apply": ("queue.cmd_apply", "Materialize the fork in build/fork: the base release, then the series with git am."),
+    "check": (
+        "queue.cmd_check",
+        "Check that the series applies exactly, matches the overlay and follows the conventions.",
+    ),
+    "export": ("queue.cmd_export", "Write patches/, patches/series and the overlay from build/fork."),
+    "build": ("queue.cmd_build", "Build the fork's vllm-ascend wheel into dist/."),
+    "test": (
+        "testing.cmd_test",
+        "Run upstream's CPU suite on base and fork, the kernel checks and the tooling's tests.",
+    ),
+    "rebase": ("rebase.cmd_rebase", "Move the series onto another vllm-ascend release."),
+    "deploy": (
+        "deploy.cmd_deploy",
+        "Deploy the fork into an installed vllm-ascend or a checkout, verify it, revert it.",
+    ),
+    "pr": ("queue.cmd_pr", "Print a patch of the series as an upstream pull request."),
+    "status": ("queue.cmd_status", "Summarize the pin, the series, build/fork and the wheel."),
 }
 
 # Importable only in the tools environment (tools/requirements.txt); tomli: Python 3.10's TOML reader.
@@ -52,7 +59,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-C", dest="root", type=Path, default=None, help="the fork repository (default: this one)")
+    parser.add_argument(
+        "-C",
+        dest="root",
+        type=Path,
+        default=None,
+        help="the fork repository (default: the one holding this tooling); from outside it, run the tooling "
+        "by path: `python3 DIR/tools/fork VERB`",
+    )
     sub = parser.add_subparsers(dest="verb", metavar="VERB", required=True, parser_class=_Parser)
     subparsers = {}
     for verb, (name, summary) in VERBS.items():
@@ -67,42 +81,6 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         module.add_arguments(p)
         subparsers[verb] = p
     return parser, subparsers
-
-
-def add_source_arguments(p) -> None:
-    """--sdist / --checkout / --version-unchecked: where a verb gets its base release from."""
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--sdist", type=Path, metavar="PATH", help="use this local sdist (sha256-checked) instead of the registry"
-    )
-    src.add_argument(
-        "--checkout", type=Path, metavar="DIR", help="use an existing upstream checkout instead of the sdist"
-    )
-    p.add_argument(
-        "--version-unchecked",
-        action="store_true",
-        help="accept a --checkout whose version cannot be read from it (tag, PKG-INFO, _version.py)",
-    )
-
-
-def check_named_source(args) -> None:
-    """A source the user named is checked even when the tree is up to date and would not need it."""
-    if args.sdist is not None:
-        if not args.sdist.is_file():
-            raise BadInput(f"--sdist {args.sdist}: {'not a file' if args.sdist.exists() else 'no such file'}")
-        try:
-            is_archive = tarfile.is_tarfile(args.sdist)
-        except OSError as exc:
-            raise BadInput(f"--sdist {args.sdist}: cannot read it ({exc.strerror or exc})") from None
-        if not is_archive:
-            raise BadInput(f"--sdist {args.sdist}: not an sdist (not a .tar.gz archive)")
-
-
-def run_fork_tests(cfg, version: str) -> int:
-    """Run the fork's tests on a base through the `test` verb, in a child process; its exit code."""
-    cmd = [sys.executable, "-m", "tools.fork", "-C", str(cfg.root), "test", "--base", version]
-    print(f"fork: running the fork's tests on {version}: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2]).returncode
 
 
 def tools_env_missing(exc: ModuleNotFoundError) -> str | None:
@@ -122,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         verb = args.verb
         if extra:  # unknown options on a verb: that verb's usage, not the top level's
             subparsers[verb].error(f"unrecognized arguments: {' '.join(extra)}")
-        from tools.fork import config
+        from tools.fork.core import config
 
         root = args.root if args.root is not None else config.REPO_ROOT
         cfg = config.load(root.resolve())

@@ -1,10 +1,10 @@
-"""The kernel checks' triton-ascend venv under build/, made by the fork's one venv builder (tools/fork/venvs.py).
+"""The kernel checks' triton-ascend venv under build/, made by the fork's one venv builder (tools/fork/testing/).
 
     python -m tools.kernel_harness.envs ascend   # build/ascend-venv: torch CPU + triton-ascend (front end)
 
 triton-ascend ships its own `triton` package, so it cannot share an environment
 with upstream triton (the interpreter runs use the test environment,
-tools/fork/testenv.py). Each venv records the requirement list it was built from
+tools/fork/testing/testenv.py). Each venv records the requirement list it was built from
 in `.kernel-harness-spec`; an unchanged list means nothing is installed again.
 Prints the venv's python path on the last line.
 """
@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tools.fork import venvs
-from tools.fork.base_recipe import TORCH  # the CPU wheel this machine holds locally
+from tools.fork.testing import venvs
+from tools.fork.testing.base_recipe import TORCH  # the CPU wheel this machine holds locally
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = {

@@ -21,13 +21,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 # A developer identity for commits the tests make (independent of the machine's git config).
-GIT_ENV = {
-    **os.environ,
+DEV_IDENTITY = {
     "GIT_AUTHOR_NAME": "Test Dev",
     "GIT_AUTHOR_EMAIL": "dev@example.com",
     "GIT_COMMITTER_NAME": "Test Dev",
     "GIT_COMMITTER_EMAIL": "dev@example.com",
 }
+# Every git command a test runs itself (the developer's part: commit, rebase -i, ...) has it: a fresh
+# machine has no git identity, and a test must not depend on the one this machine happens to have.
+os.environ.update(DEV_IDENTITY)
+GIT_ENV = {**os.environ, **DEV_IDENTITY}
+# What the tooling itself gets in Fork.run: no identity and no git config of the machine's user, as on a
+# fresh machine (its own git calls fix their identity: tools/fork/core/git.py).
+_NO_IDENTITY = {k: "" for k in DEV_IDENTITY}
 
 UPSTREAM_FILES = {
     "setup.py": textwrap.dedent(
@@ -96,7 +102,13 @@ class Fork:
             cwd=self.root,
             capture_output=True,
             text=True,
-            env={**os.environ, "FORK_CACHE": str(self.cache), "PYTHONPATH": str(self.root), **(env or {})},
+            env={
+                **{k: v for k, v in os.environ.items() if k not in _NO_IDENTITY},
+                "GIT_CONFIG_GLOBAL": os.devnull,
+                "FORK_CACHE": str(self.cache),
+                "PYTHONPATH": str(self.root),
+                **(env or {}),
+            },
         )
         if check and proc.returncode != 0:
             raise AssertionError(f"fork {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -124,7 +136,7 @@ class Fork:
         self.git("commit", "-q", *(["-s"] if signoff else []), "-m", message)
 
     def protected(self) -> dict:
-        from tools.fork.txn import snapshot
+        from tools.fork.core.txn import snapshot
 
         return snapshot(
             [self.root / "patches", self.root / "fork.toml", self.root / "vllm_ascend", self.root / "tests"]

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import cli, config, git
-from tools.fork.deploy_check import tree_state
-from tools.fork.materialize import create_base
-from tools.fork.series import render
+from tools.fork import cli
+from tools.fork.core import config, git
+from tools.fork.core.materialize import create_base
+from tools.fork.core.series import render
+from tools.fork.core.upstream import Source
+from tools.fork.deploy.check import tree_state
 from tools.fork.tests.conftest import make_sdist, sha256
-from tools.fork.upstream import Source
 
 PIN, OLD = "9.9.9", "9.9.8"
 SCRIPT = config.REPO_ROOT / "docker" / "deploy-installed.sh"

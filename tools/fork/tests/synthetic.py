@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fork import cli, git, txn
-from tools.fork.config import OVERLAY_ROOTS
+from tools.fork import cli
+from tools.fork.core import git, txn
+from tools.fork.core.config import OVERLAY_ROOTS
 
 AUTHOR_NAME, AUTHOR_EMAIL = "Fork Dev", "dev@example.com"
 AUTHOR_DATE = "2026-01-02T03:04:05+0000"

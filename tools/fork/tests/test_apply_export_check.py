@@ -168,8 +168,9 @@ def test_export_failure_midway_leaves_everything(fork_with_patch, monkeypatch):
     """A crash while writing (here: the 2nd file fails) changes nothing protected."""
     import os
 
-    from tools.fork import config, export
-    from tools.fork import txn as txn_mod
+    from tools.fork.core import config
+    from tools.fork.core import txn as txn_mod
+    from tools.fork.queue import cmd_export as export
 
     fork = fork_with_patch
     (fork.root / "vllm_ascend/ops/memmove.py").write_text("changed\n")

@@ -11,9 +11,9 @@ import io
 
 import pytest
 
-from tools.fork import txn
-from tools.fork.deploy_target import BACKUP_DIR
-from tools.fork.dist_record import record_with
+from tools.fork.core import txn
+from tools.fork.deploy.dist_record import record_with
+from tools.fork.deploy.target import BACKUP_DIR
 from tools.fork.tests.deploy_fixtures import *  # noqa: F401 (fixtures and helpers)
 from tools.fork.tests.deploy_fixtures import _offline_cache  # noqa: F401 (an autouse fixture)
 

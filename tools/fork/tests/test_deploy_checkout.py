@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tools.fork import git
+from tools.fork.core import git
 from tools.fork.tests.deploy_fixtures import *  # noqa: F401 (fixtures and helpers)
 from tools.fork.tests.deploy_fixtures import _offline_cache  # noqa: F401 (an autouse fixture)
 

@@ -1,4 +1,4 @@
-"""`deploy` against a REAL pip-installed vllm-ascend (tools/fork/deploy_check.py), marked `real`.
+"""`deploy` against a REAL pip-installed vllm-ascend (tools/fork/deploy/check.py), marked `real`.
 
 Needs the CPU test environment (build/testenv/venv, or FORK_DEPLOY_PYTHON); skipped without it,
 and unless selected with `-m real` (or FORK_DEPLOY_PYTHON is set).
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import config, deploy_check, git, upstream
-from tools.fork.deploy_expected import expected
-from tools.fork.materialize import create_base
-from tools.fork.series import render
+from tools.fork.core import config, git, upstream
+from tools.fork.core.materialize import create_base
+from tools.fork.core.series import render
+from tools.fork.deploy import check as deploy_check
+from tools.fork.deploy.expected import expected
 
 pytestmark = pytest.mark.real
 
@@ -80,7 +81,7 @@ def standin_repo(tmp: Path) -> config.ForkConfig:
     (root / "patches").mkdir(parents=True)
     shutil.copy2(REAL.toml_path, root / "fork.toml")
     tree = tmp / "mat"
-    create_base(upstream.resolve(REAL, None), tree)
+    create_base(upstream.obtain(REAL).source, tree)
     envs = tree / "vllm_ascend" / "envs.py"
     text = envs.read_text()
     anchor = "env_variables: dict[str, Callable[[], Any]] = {\n"

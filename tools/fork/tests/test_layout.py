@@ -1,4 +1,4 @@
-"""The layout of tools/: no import cycle, verbs import only shared modules, small one-job modules."""
+"""The layout of tools/fork: packages by family on a small core, no import cycle, no verb importing a verb."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from tools.fork.cli import VERBS
 
 TOOLS = Path(__file__).resolve().parents[2]  # tools/
-MAX_LINES = 400
+FAMILIES = {"queue", "rebase", "deploy", "testing"}
 VERB_MODULES = {f"tools.fork.{module}" for module, _ in VERBS.values()}
 
 
@@ -93,8 +93,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_imports_inside_functions():
     graph = _graph()
-    assert "tools.fork.config" in graph["tools.fork.cli"]  # imported inside main()
-    assert "tools.fork.errors" in graph["tools.fork.cli"]
+    assert "tools.fork.core.config" in graph["tools.fork.cli"]  # imported inside main()
+    assert "tools.fork.core.errors" in graph["tools.fork.cli"]
 
 
 def test_no_import_cycle():
@@ -116,13 +116,35 @@ def test_shared_modules_import_no_verb():
     assert not bad, "\n".join(bad)
 
 
-def test_no_module_over_the_line_limit():
-    long = [
-        f"{p.relative_to(TOOLS.parent)}: {n} lines"
-        for p in _modules().values()
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
+def test_each_verb_is_a_cmd_module_of_a_family_package():
+    bad = []
+    for verb, (module, _summary) in VERBS.items():
+        family, _, name = module.partition(".")
+        if family not in FAMILIES or name != f"cmd_{verb}":
+            bad.append(f"{verb}: tools.fork.{module} (want tools.fork.<family>.cmd_{verb})")
+    found = {n for n in _modules() if n.rpartition(".")[2].startswith("cmd_")}
+    assert not bad and found == VERB_MODULES, (bad, sorted(found ^ VERB_MODULES))
+
+
+def test_the_core_imports_no_family():
+    graph = _graph()
+    bad = [
+        f"{n} imports {w}"
+        for n in sorted(graph)
+        if n.startswith("tools.fork.core.")
+        for w in sorted(graph[n])
+        if w.startswith("tools.fork.") and not w.startswith("tools.fork.core.")
     ]
-    assert not long, "\n".join(long)
+    assert not bad, "\n".join(bad)
+
+
+def test_only_the_entry_point_imports_the_command_line():
+    """A verb calls other families' functions, never another verb's command line (cli.main)."""
+    graph = _graph()
+    bad = [
+        n for n in sorted(graph) if "tools.fork.cli" in graph[n] and n != "tools.fork.__main__" and ".tests" not in n
+    ]
+    assert not bad, bad
 
 
 _ONE_SENTENCE = re.compile(r"^\S.*\.$")

@@ -7,9 +7,9 @@ the upstreamable patches' edits.
 
 from __future__ import annotations
 
-from tools.fork import git, materialize, upstream
-from tools.fork.config import load
-from tools.fork.errors import EXIT_BAD_INPUT, EXIT_FAILED
+from tools.fork.core import git, materialize, upstream
+from tools.fork.core.config import load
+from tools.fork.core.errors import EXIT_BAD_INPUT, EXIT_FAILED
 from tools.fork.tests.synthetic import SERIES, UPSTREAM, Fork, edited, message, replace
 
 A = "1.0"
@@ -87,7 +87,7 @@ def test_export_upstream_is_a_clean_am_series_without_fork_only(tmp_path, monkey
     # Oracle: git am onto the plain release gives the release + the upstreamable edits.
     cfg = load(fork.root)
     tree = tmp_path / "upstream-checkout"
-    materialize.create_base(upstream.resolve(cfg, None), tree)
+    materialize.create_base(upstream.obtain(cfg).source, tree)
     git.run(["am", "--keep-non-patch", *[str(dest / n) for n in names]], tree)
     assert fork.tree_files(tree) == edited(edited(UPSTREAM, SERIES[0][1]), SERIES[1][1])
     subjects = git.out(["log", "--reverse", "--format=%s", "v1.0..HEAD"], tree).splitlines()

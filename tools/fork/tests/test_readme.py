@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import config
-from tools.fork.upstream import sdist_name
+from tools.fork.core import config, upstream
 
 pytestmark = pytest.mark.slow
 
@@ -169,8 +168,9 @@ def test_readme_blocks_are_found():
 
 def test_readme_commands_verbatim(tmp_path):
     cfg = config.load(REPO)
-    cached = config.cache_dir() / "sdists" / sdist_name(cfg.dist, cfg.pin.version)
-    assert cached.is_file(), f"{cached}: the pin's sdist must be cached (`apply` puts it there)"
+    # The pin's verified sdist: from the cache, or the package registry on a fresh machine.
+    cached = upstream.obtain(cfg).source.sdist
+    assert cached is not None and cached.is_file(), cached
     clone = fresh_clone(tmp_path)
     cache = tmp_path / "cache"
     (cache / "sdists").mkdir(parents=True)

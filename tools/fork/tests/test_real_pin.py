@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tools.fork import config, series
+from tools.fork.core import config, series
 from tools.fork.tests.conftest import REPO
 
 

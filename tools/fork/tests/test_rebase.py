@@ -7,8 +7,8 @@ the overlay; outcomes and evidence are read from the tool's report.
 
 from __future__ import annotations
 
-from tools.fork import config, git, series
-from tools.fork.errors import (
+from tools.fork.core import config, git, series
+from tools.fork.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_CONFLICT,
     EXIT_IN_PROGRESS,
@@ -75,7 +75,7 @@ def test_three_way_merge_keeps_the_old_version_as_a_variant_and_round_trips(tmp_
     assert fork.variants() == {f"{A}/{fork.names[0]}": original[fork.root / "patches" / fork.names[0]]}
     fork.ok("check", "--all-bases")
     after_first = fork.snapshot()
-    r = fork.ok("rebase", "--onto", A)  # and back: the variant applies cleanly
+    r = fork.ok("rebase", "--onto", A, "--older")  # and back: the variant applies cleanly
     assert outcomes(fork, r.out)[fork.names[0]] == f"applied cleanly ({A} variant)"
     assert {n: fork.patch(n) for n in fork.series()} == {n: original[fork.root / "patches" / n] for n in fork.names}
     assert list(fork.variants()) == [f"{B}/{fork.names[0]}"]
@@ -150,12 +150,14 @@ def test_conflict_resolved_to_nothing_drops_the_patch(tmp_path, monkeypatch):
     git.run(["clean", "-q", "-fd"], tree)
     r = fork.ok("rebase", "--continue")
     assert outcomes(fork, r.out)[fork.names[0]].startswith("dropped: resolved to nothing")
-    # The pin no longer applies patch 1; 1.0 (still in the matrix) keeps it as a variant.
-    assert fork.names[0] in fork.series()
-    assert not (fork.root / "patches" / fork.names[0]).exists()
-    assert fork.variants()[f"{A}/{fork.names[0]}"] == original[fork.root / "patches" / fork.names[0]]
-    assert [p.name for p in series.read(config.load(fork.root))][0] != fork.names[0]
-    assert [p.name for p in series.read(config.load(fork.root), A)][0] == fork.names[0]
+    # The pin no longer applies patch 1; 1.0 (still in the matrix) keeps it as a variant, numbered
+    # before the pin's renumbered first patch (0000a-) so that no two patches share a number.
+    dropped = "0000a-" + fork.names[0].split("-", 1)[1]
+    assert fork.series()[0] == dropped
+    assert not (fork.root / "patches" / dropped).exists()
+    assert fork.variants()[f"{A}/{dropped}"] == original[fork.root / "patches" / fork.names[0]]
+    assert [p.name for p in series.read(config.load(fork.root))][0] != dropped
+    assert [p.name for p in series.read(config.load(fork.root), A)][0] == dropped
     fork.ok("check", "--all-bases")
 
 
@@ -169,14 +171,15 @@ def test_already_upstream_is_dropped_with_patch_id_evidence_and_round_trips(tmp_
     assert f"upstream's own diff {A}..{B} over {SNAPSHOT_TEST}, {UTILS} has the same patch-id {pid[:12]}" in line
     assert_tree(fork, expected_tree(b, [SERIES[0], SERIES[2]]))
     names = fork.series()
-    # patch 2 stays listed for 1.0 (variant-only); patch 3 is renumbered, and fork.toml follows it.
-    assert names[1] == fork.names[1] and not (fork.root / "patches" / fork.names[1]).exists()
+    # patch 2 stays listed for 1.0 (variant-only), numbered after patch 1 so that no two patches share
+    # a number; patch 3 is renumbered, and fork.toml follows it.
+    assert names[1] == "0001a-" + fork.names[1].split("-", 1)[1] and not (fork.root / "patches" / names[1]).exists()
     assert names[2].startswith("0002-Misc-Feature")
     assert list(config.load(fork.root).fork_only) == [names[2]]
-    assert f"on {A}: {fork.names[1]} (own variant)" in fork.ok("status").out
+    assert f"on {A}: {names[1]} (own variant)" in fork.ok("status").out
     fork.ok("check", "--all-bases")
-    r = fork.ok("rebase", "--onto", A)
-    assert outcomes(fork, r.out)[fork.names[1]] == f"applied cleanly ({A} variant)"
+    r = fork.ok("rebase", "--onto", A, "--older")
+    assert outcomes(fork, r.out)[names[1]] == f"applied cleanly ({A} variant)"
     assert fork.series() == fork.names
     for n in fork.names:
         assert fork.patch(n) == original[fork.root / "patches" / n]

@@ -6,13 +6,15 @@ import os
 
 import pytest
 
-from tools.fork import cli, config, git, series
-from tools.fork.errors import (
+from tools.fork.core import config, git, series
+from tools.fork.core.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_LOCAL_EDITS,
     EXIT_UPSTREAM,
 )
+from tools.fork.queue import cmd_check
+from tools.fork.rebase import write as rebase_write
 from tools.fork.tests.synthetic import (
     COPY,
     P2_CODE,
@@ -120,7 +122,7 @@ def test_drop_old_base(tmp_path, monkeypatch):
 def test_test_option_runs_the_fork_tests_on_the_new_pin(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
     calls = []
-    monkeypatch.setattr(cli, "run_fork_tests", lambda cfg, version: calls.append(version) or 1)
+    monkeypatch.setattr(rebase_write, "run_tests", lambda cfg, opts: calls.append(opts.base) or 1)
     r = fork.cli("rebase", "--onto", B, "--test")
     assert calls == [B]
     assert r.rc == EXIT_FAILED and "tests FAILED" in r.out
@@ -134,7 +136,9 @@ def test_check_all_bases_test_runs_the_fork_tests_on_each_base(tmp_path, monkeyp
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {UTILS: P2_CODE}))
     fork.ok("rebase", "--onto", B)
     calls = []
-    monkeypatch.setattr(cli, "run_fork_tests", lambda cfg, version: calls.append(version) or (1 if version == A else 0))
+    monkeypatch.setattr(
+        cmd_check, "run_tests", lambda cfg, opts: calls.append(opts.base) or (1 if opts.base == A else 0)
+    )
     r = fork.cli("check", "--all-bases", "--test")
     assert calls == [A, B]
     assert r.rc == EXIT_FAILED and f"[{A}] the fork's tests failed (exit 1)" in r.out
@@ -198,7 +202,7 @@ def test_workflow_giving_an_older_base_its_own_version_of_a_patch(tmp_path, monk
     test_only = [SERIES[0], (SERIES[1][0], {SNAPSHOT_TEST: SERIES[1][1][SNAPSHOT_TEST]}), SERIES[2]]
     fork = Fork(tmp_path, monkeypatch, {A: UPSTREAM, B: code_upstream}, B, [B, A])
     fork.names = fork.make_series(test_only)
-    fork.ok("rebase", "--onto", A)
+    fork.ok("rebase", "--onto", A, "--older")
     assert fork.variants() == {}  # test-only patch 2 is the same change on both
     tree = fork.tree
     second = git.out(["rev-list", "--reverse", f"v{A}..HEAD"], tree).split()[1]
@@ -215,7 +219,7 @@ def test_workflow_giving_an_older_base_its_own_version_of_a_patch(tmp_path, monk
 
 
 def test_first_use_from_the_cache_and_from_the_registry(tmp_path, monkeypatch):
-    from tools.fork import registry, upstream
+    from tools.fork.core import registry, upstream
     from tools.fork.tests.synthetic import make_sdist
 
     fork = make(tmp_path, monkeypatch, None)

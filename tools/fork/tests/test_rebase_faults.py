@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import config, git, rebase, rebase_apply
-from tools.fork.errors import (
+from tools.fork.core import config, git
+from tools.fork.core.errors import (
     EXIT_CONFLICT,
     EXIT_FAILED,
     EXIT_LOCAL_EDITS,
 )
+from tools.fork.rebase import apply as rebase_apply
+from tools.fork.rebase import cmd_rebase as rebase
 from tools.fork.tests.synthetic import (
     COPY,
     REPO_ROOT,
@@ -185,7 +187,7 @@ def _interrupt(
 def test_signal_while_applying_changes_nothing(tmp_path, monkeypatch, sig):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
     before = fork.snapshot()
-    p = _interrupt(fork, tmp_path, "rebase_apply.apply_one", sig, "rebase", "--onto", B)
+    p = _interrupt(fork, tmp_path, "rebase.apply.apply_one", sig, "rebase", "--onto", B)
     assert p.returncode == EXIT_FAILED, p.stderr
     assert "rebase failed: interrupted (SIGINT/SIGTERM)" in p.stderr and "Nothing was changed" in p.stderr
     assert_unchanged(fork, before)
@@ -195,7 +197,7 @@ def test_signal_while_applying_changes_nothing(tmp_path, monkeypatch, sig):
 def test_signal_before_the_final_write_keeps_the_work(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
     before = fork.snapshot()
-    p = _interrupt(fork, tmp_path, "rebase_write.plan", signal.SIGTERM, "rebase", "--onto", B)
+    p = _interrupt(fork, tmp_path, "rebase.write.plan", signal.SIGTERM, "rebase", "--onto", B)
     assert p.returncode == EXIT_FAILED, p.stderr
     assert "interrupted" in p.stderr and "rebase --continue` writes the result" in p.stderr
     assert_unchanged(fork, before)
@@ -205,7 +207,7 @@ def test_signal_before_the_final_write_keeps_the_work(tmp_path, monkeypatch):
 
 def test_signal_during_the_final_write_is_held_until_it_is_complete(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
-    p = _interrupt(fork, tmp_path, "rebase_write.StagedWrite", signal.SIGTERM, "rebase", "--onto", B, pause=1)
+    p = _interrupt(fork, tmp_path, "rebase.write.StagedWrite", signal.SIGTERM, "rebase", "--onto", B, pause=1)
     assert p.returncode == EXIT_FAILED, p.stderr
     assert "interrupted" in p.stderr and "The rebase IS written" in p.stderr
     assert config.load(fork.root).pin.version == B  # all of it: the write was not cut in half

@@ -8,8 +8,8 @@ the fix missing; the tests catch it and the rebase takes the code+test variant i
 
 from __future__ import annotations
 
-from tools.fork import config, git
-from tools.fork.errors import EXIT_CONFLICT
+from tools.fork.core import config, git
+from tools.fork.core.errors import EXIT_CONFLICT
 from tools.fork.tests.synthetic import P2_CODE, SERIES, UPSTREAM, Fork, const, edited, replace
 
 A, B, C, D = "1.0", "1.1", "1.2", "1.3"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import safetar, upstream
-from tools.fork.errors import UpstreamUnavailable
+from tools.fork.core import safetar, upstream
+from tools.fork.core.errors import UpstreamUnavailable
 from tools.fork.tests.conftest import UPSTREAM_FILES, make_sdist
 
 TOP = "vllm_ascend-1.0"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import registry, upstream
-from tools.fork.config import Base
-from tools.fork.errors import BadInput
+from tools.fork.core import registry, upstream
+from tools.fork.core.config import Base
+from tools.fork.core.errors import BadInput
 from tools.fork.tests.synthetic import UPSTREAM, Fork, make_sdist
 
 
@@ -37,9 +37,9 @@ def test_checkout_version_from_its_git_tag_and_a_mismatch_is_refused(tmp_path, m
     monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
     tree = _tagged(tmp_path / "co", "v0.30.0rc2")
     assert upstream.checkout_version(tree) == ("0.30.0rc2", "git tag v0.30.0rc2")
-    assert upstream.from_checkout(tree, "0.30.0rc2").checkout == tree
+    assert upstream._from_checkout(tree, "0.30.0rc2").checkout == tree
     with pytest.raises(BadInput, match=r"is vllm-ascend 0.30.0rc2 \(git tag v0.30.0rc2\), not 0.26.0rc1"):
-        upstream.from_checkout(tree, "0.26.0rc1")
+        upstream._from_checkout(tree, "0.26.0rc1")
 
 
 def test_checkout_version_from_pkg_info_or_the_version_its_build_reports(tmp_path):
@@ -54,10 +54,10 @@ def test_a_checkout_of_unknown_version_is_refused_unless_version_unchecked(tmp_p
     monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
     tree = _tree(tmp_path / "co")
     with pytest.raises(BadInput, match="cannot tell which vllm-ascend version.*--version-unchecked"):
-        upstream.from_checkout(tree, "0.30.0rc2")
-    src = upstream.from_checkout(tree, "0.30.0rc2", version_unchecked=True)
+        upstream._from_checkout(tree, "0.30.0rc2")
+    src = upstream._from_checkout(tree, "0.30.0rc2", version_unchecked=True)
     assert "NOT checked" in src.verified
-    assert upstream.remembered_checkout("0.30.0rc2") is None  # an unchecked tree is never remembered
+    assert upstream._remembered_checkout("0.30.0rc2") is None  # an unchecked tree is never remembered
 
 
 def test_a_verified_checkout_is_remembered_instead_of_downloading(tmp_path, monkeypatch):
@@ -68,9 +68,11 @@ def test_a_verified_checkout_is_remembered_instead_of_downloading(tmp_path, monk
     fork.ok("apply", "--checkout", str(tree), "--base-only")
     # no sdist in the cache and no registry: the remembered checkout is used
     monkeypatch.setattr(registry, "_pip_download", lambda *a, **k: pytest.fail("downloaded"))
-    from tools.fork import config
+    from tools.fork.core import config
 
-    src = upstream.fetch_sdist(config.load(fork.root), Base("1.0", fork.sha["1.0"]))
+    release = upstream.obtain(config.load(fork.root), "1.0")
+    src = release.source
+    assert release.base == Base("1.0", fork.sha["1.0"]) and not release.first_use
     assert src.checkout == tree.resolve() and "remembered" in src.verified
 
 
@@ -85,11 +87,13 @@ def test_a_verified_sdist_is_cached(tmp_path, monkeypatch):
 
 def test_any_release_resolves_with_its_version_checked(tmp_path, monkeypatch):
     fork = Fork(tmp_path, monkeypatch, {"1.0": UPSTREAM, "1.2rc1": UPSTREAM}, "1.0", ["1.0"])
-    from tools.fork import config
+    from tools.fork.core import config
 
     cfg = config.load(fork.root)
-    src, base, first_use = upstream.resolve_any(cfg, "1.2rc1")
-    assert first_use and base.sha256 == fork.sha["1.2rc1"] and src.sdist is not None
+    with pytest.raises(BadInput, match="1.2rc1 is not a base of this fork"):
+        upstream.obtain(cfg, "1.2rc1")  # the verbs that take only fork.toml's bases
+    release = upstream.obtain(cfg, "1.2rc1", listed_only=False)
+    assert release.first_use and release.base.sha256 == fork.sha["1.2rc1"] and release.source.sdist is not None
     wrong, _ = make_sdist(fork.elsewhere, "1.3", UPSTREAM)
     with pytest.raises(BadInput, match="is version 1.3, not 1.2rc1"):
-        upstream.resolve_any(cfg, "1.2rc1", sdist=wrong)
+        upstream.obtain(cfg, "1.2rc1", sdist=wrong, listed_only=False)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import exclusions, junit, results, steps, suite, testenv
-from tools.fork.errors import BadInput
+from tools.fork.core.errors import BadInput
+from tools.fork.testing import exclusions, junit, results, steps, suite, testenv
 
 REPO = Path(__file__).resolve().parents[3]
 

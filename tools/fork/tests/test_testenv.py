@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork import base_recipe, testenv, venvs
-from tools.fork.errors import BadInput, ForkError
+from tools.fork.core.errors import BadInput, ForkError
+from tools.fork.testing import base_recipe, testenv, venvs
 
 # --- the environment: requirements, stamps, idempotency ----------------------------------
 

@@ -1,0 +1,159 @@
+"""The checks beside upstream's suite, one Step each: kernel op tests, harness tests, compile, tooling, deploy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.fork.core.errors import BadInput, ForkError
+from tools.fork.testing import testenv, venvs
+from tools.fork.testing.junit import JUNIT_FAMILY, counts, parse_junit
+from tools.fork.testing.suite import results_dir
+
+KERNEL_TEST_DIR = "tests/e2e/nightly/single_node/ops/singlecard_ops/triton"
+KERNEL_HARNESS = "tools/kernel_harness"
+ASCEND_COMPILE = "tools/kernel_harness/ascend_compile.py"
+TOOLING_TESTS = "tools/fork/tests"
+
+
+@dataclass
+class Step:
+    name: str
+    status: str  # "passed", "FAILED", "none" (nothing to run)
+    detail: str = ""
+    counts: Counter = field(default_factory=Counter)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAILED"
+
+
+def judge_step(name: str, returncode: int, c: Counter, seconds: float, *, junit: bool, allow_skips: bool) -> Step:
+    """A step passes on exit 0 and, when it writes junit, at least one passed test and (unless
+    `allow_skips`) no skipped or xfailed one: fork-added tests must run."""
+    detail = f"exit {returncode}, {seconds:.0f} s"
+    if returncode != 0:
+        return Step(name, "FAILED", detail, c)
+    if junit and c["passed"] == 0:
+        return Step(name, "FAILED", f"ran no test ({seconds:.0f} s)", c)
+    if junit and not allow_skips and (c["skipped"] or c["xfailed"]):
+        return Step(name, "FAILED", f"{c['skipped'] + c['xfailed']} test(s) skipped: fork-added tests must run", c)
+    return Step(name, "passed", detail, c)
+
+
+def run_step(
+    name: str, argv, env, cwd, junit: Path | None, *, allow_skips: bool = True, may_skip=lambda test_id: False
+) -> Step:
+    """Run one step; with `allow_skips` False only tests `may_skip(id)` accepts may be skipped."""
+    print(f"\nfork test: [{name}] {' '.join(str(a) for a in argv[:6])} ...", flush=True)
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+    dt = time.monotonic() - t0
+    results = parse_junit(junit.read_text()) if junit is not None and junit.exists() else {}
+    c = counts(results)
+    if not allow_skips:
+        allow_skips = all(r.outcome not in ("skipped", "xfailed") or may_skip(r.id) for r in results.values())
+    return judge_step(name, proc.returncode, c, dt, junit=junit is not None, allow_skips=allow_skips)
+
+
+def cuda_only_control(test_id: str) -> bool:
+    """The kernel op tests' `test_control_*` cases show the unguarded kernel racing on a real GPU;
+    under the CPU interpreter they skip by design (the interpreter cannot show a race)."""
+    return "::test_control_" in test_id
+
+
+def kernel_test_command(tenv: testenv.TestEnv, root: Path, tree: Path, files: list[str], junit: Path):
+    """The kernel op tests' command: its own process, the Triton interpreter, the harness plugin.
+
+    Returns (argv, env, cwd). Adjust here when tools/kernel_harness changes its interface.
+    """
+    argv = [
+        str(tenv.python), "-m", "pytest", "-q", "-rfE", "--noconftest", "-p", "tools.kernel_harness.plugin",
+        "-p", "no:cacheprovider", "-o", JUNIT_FAMILY, f"--junitxml={junit}", f"--rootdir={tree}",
+        f"--kernel-tree={tree}", *(str(tree / f) for f in files),
+    ]  # fmt: skip
+    env = tenv.env(
+        {
+            "PYTHONPATH": str(tenv.triton_site),
+            "TRITON_INTERPRET": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "KERNEL_TREE": str(tree),
+        }
+    )
+    return argv, env, root
+
+
+def kernel_op_step(name: str, tenv: testenv.TestEnv, root: Path, tree: Path, files: list[str], junit: Path) -> Step:
+    """The kernel op tests `files` of `tree` under the interpreter; only the CUDA-only controls may skip."""
+    junit.unlink(missing_ok=True)
+    command = kernel_test_command(tenv, root, tree, files, junit)
+    return run_step(name, *command, junit, allow_skips=False, may_skip=cuda_only_control)
+
+
+def ascend_compile_command(tenv: testenv.TestEnv, root: Path, tree: Path):
+    """The triton-ascend front-end compile check (it sets up its own triton-ascend env)."""
+    argv = [sys.executable, "-m", ASCEND_COMPILE[:-3].replace("/", "."), f"--tree={tree}"]
+    return argv, venvs.run_env(None, {"KERNEL_TREE": str(tree)}), root
+
+
+def tooling_test_command(tenv: testenv.TestEnv, root: Path, junit: Path):
+    argv = [
+        str(tenv.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", JUNIT_FAMILY,
+        f"--junitxml={junit}", TOOLING_TESTS,
+    ]  # fmt: skip
+    return argv, tenv.env(), root
+
+
+def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str]) -> list[Step]:
+    """The Triton kernel checks: op tests + harness tests under the interpreter, triton-ascend compile."""
+    out = results_dir(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    steps: list[Step] = []
+    # e. kernel op tests under the Triton interpreter
+    kernel_files = [f for f in added if f.startswith(KERNEL_TEST_DIR + "/")]
+    if not kernel_files:
+        steps.append(Step("kernel op tests", "none", f"the fork adds no test under {KERNEL_TEST_DIR}"))
+    else:
+        steps.append(kernel_op_step("kernel op tests", tenv, cfg.root, fork_tree, kernel_files, out / "kernel.xml"))
+    # e'. the harness's own tests (loader, and a known-bad kernel the Ascend front end must reject)
+    junit = out / "kernel-harness.xml"
+    junit.unlink(missing_ok=True)
+    argv = [
+        str(tenv.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", JUNIT_FAMILY,
+        f"--junitxml={junit}", f"{KERNEL_HARNESS}/tests",
+    ]  # fmt: skip
+    env = tenv.env({"PYTHONPATH": f"{cfg.root}{os.pathsep}{tenv.triton_site}"})
+    steps.append(run_step("kernel harness tests", argv, env, cfg.root, junit))
+    # f. triton-ascend front-end compile check
+    steps.append(run_step("triton-ascend compile check", *ascend_compile_command(tenv, cfg.root, fork_tree), None))
+    return steps
+
+
+def tooling_step(cfg, tenv: testenv.TestEnv, skip: bool) -> Step:
+    """The tooling's own tests (they do not depend on the base: `make test` runs them once)."""
+    if skip:
+        return Step("tooling tests", "none", "(--no-tooling-tests)")
+    junit = results_dir(cfg) / "tooling.xml"
+    junit.unlink(missing_ok=True)
+    return run_step("tooling tests", *tooling_test_command(tenv, cfg.root, junit), junit)
+
+
+def deploy_step(cfg, tenv: testenv.TestEnv, version: str) -> Step:
+    """Deploy into a pip-installed (non-editable) vllm-ascend, test it there, verify, revert."""
+    if all(b.version != version for b in cfg.bases):
+        return Step("deploy check", "none", f"{version} is not a base in fork.toml")
+    from tools.fork.deploy import check as deploy_check
+
+    t0 = time.monotonic()
+    try:
+        res = deploy_check.check(cfg, tenv.python, version=version)
+        return Step("deploy check", "passed", f"({time.monotonic() - t0:.0f} s)", Counter(res.tests))
+    except BadInput as exc:  # the series changes nothing under vllm_ascend/
+        return Step("deploy check", "none", str(exc))
+    except ForkError as exc:
+        return Step("deploy check", "FAILED", str(exc))

@@ -1,0 +1,230 @@
+"""The CPU test environment of a base: derived from the base itself, built once, cached.
+
+Where it comes from, per base tree (docs/testing.md; the constants and the reading are base_recipe.py's,
+the building is venvs.py's):
+  vLLM          the version the base pairs with: its own docs/source/community/versioning_policy.md
+                ("Release compatibility matrix", the row for the base), else the X.Y.Z rule
+                (vllm-ascend X.Y.Z[rcN|.postN] -> vLLM X.Y.Z). Built from vLLM's sdist as pure
+                Python (VLLM_TARGET_DEVICE=empty) with its build tools (setuptools-rust included).
+  requirements  the base's own requirements.txt minus the NPU/CUDA-only and build-only entries
+                (transformers and every other pin as the base writes it).
+  torch         the CPU wheel this kind of machine holds (TORCH); the base's own torch pin is
+                for torch-npu and is reported when it differs.
+  test deps     pytest<9 as upstream pins, pytest-asyncio, pytest-mock, hypothesis, ray.
+Upstream `triton` is uninstalled afterwards (upstream's CPU CI does this too); torchvision 0.28.0
+(PyPI's CUDA build) gets a `sitecustomize` shim that lets it import beside CPU torch.
+
+Where it lives: under the user cache (`config.cache_dir()`: ~/.cache/vllm-ascend-fork, FORK_CACHE
+overrides), so clean clones and CI reuse it:
+  testenv/venv-<recipe hash>/     venv/, stamp.json (written only after a complete build), build.log,
+                                  freeze.txt, base-results/ (cached base-suite results), lock
+  testenv/triton-<recipe hash>/   site/ (`pip install --target ... --no-deps triton==3.7.1`, the
+                                  Triton interpreter for the kernel op tests), stamp.json
+The directory name is the hash of the recipe (everything the content depends on), so two bases
+with the same recipe share one environment, and a changed recipe builds a new one beside the old.
+`build/testenv/venv` is a link to the environment used last (for tools that look there).
+
+`vllm_ascend` itself is not part of the environment: `install_tree()` installs a materialized tree
+editable into the venv just before its suite runs, under the environment's lock (one suite run at
+a time per environment, across processes).
+
+Run `python -m tools.fork test --base VERSION --env-only` to build or check one alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.fork.core.config import cache_dir
+from tools.fork.core.errors import ForkError
+from tools.fork.testing import base_recipe as recipe
+from tools.fork.testing import venvs
+from tools.fork.testing.base_recipe import BaseRecipe, read_base
+from tools.fork.testing.venvs import pip, run_logged, say
+
+
+@dataclass(frozen=True)
+class TestEnv:
+    __test__ = False  # not a pytest class
+
+    root: Path  # <cache>/testenv/venv-<hash>
+    venv_hash: str
+    triton_hash: str
+    triton_root: Path | None = None  # <cache>/testenv/triton-<hash>
+    base: BaseRecipe | None = field(default=None, compare=False)
+
+    @property
+    def venv(self) -> Path:
+        return self.root / "venv"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def triton_site(self) -> Path:
+        return (self.triton_root or self.root) / "site"
+
+    @property
+    def results_dir(self) -> Path:
+        """Cached base-suite results (shared by every checkout that uses this environment)."""
+        return self.root / "base-results"
+
+    @property
+    def stamp(self) -> str:
+        """Identifies the whole environment (for result caches)."""
+        return hashlib.sha256(f"{self.venv_hash}:{self.triton_hash}".encode()).hexdigest()
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return venvs.run_env(self.venv, extra)
+
+    @contextmanager
+    def lock(self, what: str = "a suite run"):
+        """Exclusive use of the venv (its editable vllm_ascend) across processes."""
+        with venvs.locked(self.root / "lock", f"{self.root.name} ({what})"):
+            yield
+
+
+def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
+    requirements = base.requirements
+    venv = root / "venv"
+    env = venvs.run_env(venv)
+    venvs.create(venv, log=log)
+    run_logged(pip(venv, "install", "-q", "--upgrade", "pip"), env=env, log=log, what="upgrade pip")
+    # torch first, so that nothing later picks another build of it.
+    run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH} (CPU)")
+    run_logged(
+        pip(venv, "install", "-q", "--no-deps", recipe.TORCHVISION),
+        env=env,
+        log=log,
+        what=f"install {recipe.TORCHVISION} (--no-deps)",
+    )
+    site = venvs.purelib(venv / "bin" / "python")
+    (site / "sitecustomize.py").write_text(recipe.TORCHVISION_SHIM)
+    say(f"  torchvision shim: {site / 'sitecustomize.py'}")
+    run_logged(pip(venv, "install", "-q", *recipe.VLLM_BUILD_TOOLS), env=env, log=log, what="install vLLM build tools")
+    vllm_env = dict(env, VLLM_TARGET_DEVICE="empty", VLLM_VERSION_OVERRIDE=base.vllm)
+    vllm = f"vllm=={base.vllm}"
+    pins = [base.transformers] if base.transformers else []
+    run_logged(
+        pip(venv, "install", "-q", "--no-build-isolation", "--no-binary", "vllm", vllm, *pins),
+        env=vllm_env,
+        log=log,
+        what=f"install {vllm} from its sdist as pure Python",
+    )
+    # The base's own pins win over vLLM's (e.g. 0.30.0rc2's fastapi<0.124.0): vLLM is not named again,
+    # so pip installs them and only warns about vLLM's declared range.
+    reqs = root / "requirements.filtered.txt"
+    reqs.write_text("".join(f"{r}\n" for r in requirements))
+    run_logged(
+        pip(venv, "install", "-q", "-r", str(reqs), *recipe.TEST_DEPS, recipe.TORCH, recipe.TORCHVISION, *pins),
+        env=env,
+        log=log,
+        what="install upstream's requirements (filtered) + test deps",
+    )
+    uninstall = recipe.UNINSTALL_AFTER
+    run_logged(pip(venv, "uninstall", "-y", *uninstall), env=env, log=log, what="uninstall " + " ".join(uninstall))
+    check = (
+        "import importlib.util as u, torch, torchvision, vllm, transformers, pytest\n"
+        "import transformers.models.qwen2_vl.image_processing_qwen2_vl\n"
+        "assert u.find_spec('triton') is None, 'triton still importable'\n"
+        "assert torch.version.cuda is None, 'torch is a CUDA build: ' + torch.__version__\n"
+        "mods = (torch, torchvision, vllm, transformers, pytest)\n"
+        "print(' | '.join(f'{m.__name__} {m.__version__}' for m in mods))\n"
+    )
+    proc = subprocess.run([str(venv / "bin" / "python"), "-c", check], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ForkError(f"test env: the built venv does not import as expected:\n{proc.stderr.strip()[-2000:]}")
+    say(f"  check: {proc.stdout.strip()}")
+    freeze = subprocess.run(pip(venv, "freeze", "--all"), env=env, capture_output=True, text=True)
+    (root / "freeze.txt").write_text(freeze.stdout)
+
+
+def _build_triton_site(root: Path, log: Path) -> None:
+    site = root / "site"
+    if site.exists():
+        shutil.rmtree(site)
+    spec = recipe.TRITON_SITE_SPEC
+    run_logged(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), spec],
+        env=venvs.run_env(None),
+        log=log,
+        what=f"install {spec} into {root.name}/site (--target, --no-deps)",
+    )
+
+
+def default_root() -> Path:
+    return cache_dir() / "testenv"
+
+
+def ensure(
+    base_tree: Path, version: str, *, rebuild: bool = False, root: Path | None = None, link_dir: Path | None = None
+) -> TestEnv:
+    """The test environment of the base `version` (materialized, unpatched, in `base_tree`):
+    built when missing or incomplete, a no-op when current. `link_dir/venv` links to it."""
+    t0 = time.monotonic()
+    root = root or default_root()
+    base = read_base(base_tree, version)
+    say(
+        f"base vllm-ascend {version}: vLLM {base.vllm} (from {base.vllm_from}); "
+        f"{base.transformers or 'no transformers pin'} (its requirements.txt); {recipe.TORCH} CPU"
+        + (
+            f" (the base pins {base.torch_pin} for torch-npu)"
+            if base.torch_pin and base.torch_pin != recipe.TORCH
+            else ""
+        )
+    )
+
+    def note():
+        say(f"  requirements from {base_tree / 'requirements.txt'}, left out: {', '.join(base.dropped) or '(none)'}")
+
+    venv_hash, venv_home = venvs.build_part(
+        root, "venv", recipe.venv_recipe(base), "venv", lambda home, log: _build_venv(home, base, log),
+        rebuild=rebuild, note=note,
+    )  # fmt: skip
+    triton_hash, triton_home = venvs.build_part(
+        root, "triton", recipe.triton_recipe(), "site", _build_triton_site, rebuild=rebuild
+    )  # fmt: skip
+    if link_dir is not None:
+        venvs.link(link_dir / "venv", venv_home / "venv")
+    say(f"ready in {time.monotonic() - t0:.1f} s ({venv_home})")
+    return TestEnv(venv_home, venv_hash, triton_hash, triton_home, base)
+
+
+def install_tree(tenv: TestEnv, tree: Path, version: str) -> None:
+    """Install the materialized `tree` editable into the venv (once per tree switch); call it
+    under `tenv.lock()`."""
+    marker = tenv.root / "editable.json"
+    want = {"tree": str(tree.resolve()), "version": version, "venv": tenv.venv_hash}
+    try:
+        have = json.loads(marker.read_text())
+    except (FileNotFoundError, ValueError):
+        have = None
+    if have == want and (tree / "vllm_ascend" / "_build_info.py").exists():
+        say(f"vllm_ascend editable from {tree}: already installed")
+        return
+    marker.unlink(missing_ok=True)
+    env = tenv.env(
+        {
+            "SOC_VERSION": "ascend910b1",
+            "COMPILE_CUSTOM_KERNELS": "0",
+            "SETUPTOOLS_SCM_PRETEND_VERSION": version,
+        }
+    )
+    log = tenv.root / "editable.log"
+    log.write_text("")
+    run_logged(
+        pip(tenv.venv, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(tree)),
+        env=env,
+        log=log,
+        what=f"install vllm_ascend editable from {tree}",
+    )
+    marker.write_text(json.dumps(want) + "\n")

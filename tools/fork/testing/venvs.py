@@ -1,0 +1,190 @@
+"""The one virtual-environment builder: clean process environments, logged pip steps, stamped cached builds."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tools.fork.core.errors import ForkError
+
+# The environment every command in a built venv gets (and every test run).
+RUN_ENV = {
+    "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+    "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+}
+_STRIP_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV", "CONDA_PREFIX")
+
+
+def say(msg: str) -> None:
+    """A progress line of an environment build (the default voice: the test environment's)."""
+    print(f"testenv: {msg}", flush=True)
+
+
+def run_env(venv: Path | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The process environment for commands in a venv (or, with None, for plain tools): no PYTHONPATH, no cargo."""
+    env = {k: v for k, v in os.environ.items() if k not in _STRIP_ENV}
+    cargo = str(Path.home() / ".cargo" / "bin")
+    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p.rstrip("/") != cargo]
+    if venv is not None:
+        path.insert(0, str(venv / "bin"))
+        env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = os.pathsep.join(path)
+    env.update(RUN_ENV)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def pip(venv: Path, *args: str) -> list[str]:
+    """The argv of `pip ARGS` run by the venv's own Python."""
+    return [str(venv / "bin" / "python"), "-m", "pip", *args]
+
+
+def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, what: str, say=say) -> float:
+    """Run a build step, output to `log`; raise with the log's tail on failure."""
+    t0 = time.monotonic()
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    dt = time.monotonic() - t0
+    if proc.returncode != 0:
+        tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise ForkError(f"test env: {what} failed (exit {proc.returncode}, log {log}):\n    {tail}")
+    say(f"  {what}: {dt:.1f} s")
+    return dt
+
+
+def create(venv: Path, *, log: Path, say=say) -> None:
+    """A new venv with pip at `venv` (anything there before is removed), made by this Python."""
+    if venv.exists():
+        shutil.rmtree(venv)
+    run_logged([sys.executable, "-m", "venv", str(venv)], env=run_env(None), log=log, what="create venv", say=say)
+
+
+def purelib(python: Path) -> Path:
+    """The site-packages (where pure-Python packages go) of the interpreter `python`."""
+    proc = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        env=run_env(None), capture_output=True, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise ForkError(
+            f"{python}: asking for its purelib failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"
+        )
+    return Path(proc.stdout.strip())
+
+
+def recipe_hash(recipe: dict) -> str:
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """`stamp.json`: the recipe hash a part was built from, written only after a full build."""
+
+    path: Path
+
+    def read(self) -> str | None:
+        try:
+            return json.loads(self.path.read_text())["hash"]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
+
+    def matches(self, digest: str) -> bool:
+        return self.read() == digest
+
+    def write(self, digest: str, recipe: dict, seconds: float, extra: dict | None = None) -> None:
+        data = {"hash": digest, "recipe": recipe, "build_seconds": round(seconds, 1), **(extra or {})}
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, self.path)
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@contextmanager
+def locked(path: Path, what: str, say=say):
+    """Exclusive use of what `path` (a lock file) guards, across processes; says so when it waits."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another process using {what} ...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build_part(
+    root: Path, name: str, recipe: dict, content: str, build, *, rebuild: bool, note=None, say=say
+) -> tuple[str, Path]:
+    """Build `<root>/<name>-<hash16>/` once (under its lock); the stamp is written after a full build.
+
+    `build(home, log)` makes `home/content`; an unchanged recipe with a complete build is a no-op.
+    """
+    digest = recipe_hash(recipe)
+    home = root / f"{name}-{digest[:16]}"
+    home.mkdir(parents=True, exist_ok=True)
+    stamp = Stamp(home / "stamp.json")
+    with locked(home / "lock", f"{home.name} (build)", say):
+        if not rebuild and stamp.matches(digest) and (home / content).is_dir():
+            say(f"{name}: up to date ({home})")
+            return digest, home
+        why = "forced" if rebuild else ("incomplete build" if (home / content).exists() else "not built yet")
+        say(f"{name}: building ({why}) in {home}, log {home / 'build.log'}")
+        if note:
+            note()
+        stamp.clear()
+        log = home / "build.log"
+        log.write_text("")
+        t1 = time.monotonic()
+        build(home, log)
+        stamp.write(digest, recipe, time.monotonic() - t1)
+        say(f"{name}: built in {time.monotonic() - t1:.1f} s")
+    return digest, home
+
+
+def ensure_spec(where: Path, spec: list[str], marker: str, say=say) -> Path:
+    """A venv at `where` holding `spec` (pip requirements), recorded in `where/marker`: an unchanged
+    list installs nothing again. Returns its Python. The log of its steps is `where/../<name>.log`."""
+    python = where / "bin" / "python"
+    stamp = where / marker
+    if python.exists() and stamp.exists() and json.loads(stamp.read_text()) == spec:
+        return python
+    log = where.with_name(where.name + ".log")
+    where.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    if not python.exists():
+        say(f"creating {where}")
+        create(where, log=log, say=say)
+    say(f"installing {' '.join(spec)} into {where}")
+    run_logged(pip(where, "install", "-q", *spec), env=run_env(where), log=log, what="pip install", say=say)
+    stamp.write_text(json.dumps(spec))
+    return python
+
+
+def link(link: Path, target: Path) -> None:
+    """Point `link` at `target` (a convenience: failures are ignored)."""
+    try:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.is_file():
+            link.unlink()
+        elif link.is_dir():
+            shutil.rmtree(link)  # an old in-repo venv (before environments moved to the cache)
+        link.symlink_to(target)
+    except OSError:
+        pass

@@ -116,6 +116,9 @@ def compile_one(path: str, kernel: str, signature: dict, constexprs: dict) -> di
     from tools.kernel_harness import loader
 
     loader.provide_triton_utils()
+    root = loader.tree_root(Path(path))
+    if root is not None:  # the kernel's imports of its tree resolve there (vllm_ascend.utils: the stub)
+        loader.register_tree([root])
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

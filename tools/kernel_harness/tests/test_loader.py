@@ -79,7 +79,7 @@ def test_kernel_importing_a_torch_npu_module_loads_with_the_utils_stub(tmp_path)
     code = (
         "import os, sys\n"
         "from tools.kernel_harness import loader\n"
-        "loader.setup(loader.split_roots(os.environ['KERNEL_TREE']))\n"
+        "loader.register_tree(loader.split_roots(os.environ['KERNEL_TREE']))\n"
         "from vllm_ascend.ops.triton.mamba import probe\n"
         "assert 'torch_npu' not in sys.modules\n"
         "print(probe.BODY)\n"
@@ -99,7 +99,7 @@ def test_the_tree_without_the_stub_needs_torch_npu(tmp_path):
     code = (
         "import os, sys\n"
         "from tools.kernel_harness import loader\n"
-        "loader.setup(loader.split_roots(os.environ['KERNEL_TREE']))\n"
+        "loader.register_tree(loader.split_roots(os.environ['KERNEL_TREE']))\n"
         "del sys.modules['vllm_ascend.utils'], sys.modules['vllm_ascend'].utils\n"
         "from vllm_ascend.ops.triton.mamba import probe\n"
     )
@@ -124,7 +124,7 @@ def test_a_name_the_stub_lacks_is_an_error_naming_the_stub(tmp_path):
     code = (
         "import os\n"
         "from tools.kernel_harness import loader\n"
-        "loader.setup(loader.split_roots(os.environ['KERNEL_TREE']))\n"
+        "loader.register_tree(loader.split_roots(os.environ['KERNEL_TREE']))\n"
         "from vllm_ascend.utils import is_310p\n"
     )
     proc = run_py(code, str(tree))

@@ -157,7 +157,10 @@ def compile_one(path: str, kernel: str, signature: dict, constexprs: dict, roots
     from tools.kernel_harness import loader
 
     loader.provide_triton_utils()
-    loader.register_tree([Path(r) for r in roots])  # kernel files import their shared bodies from the tree
+    # The kernel's own tree first: its imports of the tree (its shared copy body, vllm_ascend.utils:
+    # the stub) resolve there.
+    own = loader.tree_root(Path(path))
+    loader.register_tree(list(dict.fromkeys([*([own] if own else []), *(Path(r).resolve() for r in roots)])))
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -11,16 +11,27 @@ vllm_ascend.ops.triton.batch_memmove` loads just that file.
 
 Several roots may be given (first wins), e.g. the fork's overlay and the
 materialized tree.
+
+Some releases' kernel files import `vllm_ascend.utils` (0.27.1rc1's postprocess
+kernel picks one of two bodies with `vllm_version_is`), and that module imports
+torch_npu, vLLM's engine and the Ascend config: none of it loads off an NPU, and
+the triton-ascend venv has no vLLM at all. Upstream's CPU tests stub torch_npu
+for the same reason (tests/ut/conftest.py). The harness stubs the one module
+that needs it instead: `stub_utils()` puts a `vllm_ascend.utils` holding only
+`vllm_version_is` into `sys.modules`, in the harness's own process.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 import types
 from pathlib import Path
 
+UTILS = "vllm_ascend.utils"
 PACKAGES = (
     "vllm_ascend",
     "vllm_ascend.ops",
@@ -114,7 +125,7 @@ def provide_triton_utils() -> str:
 
 
 def register_tree(roots: list[Path]) -> None:
-    """Register light `vllm_ascend...` packages whose `__path__` points into `roots`."""
+    """Register light `vllm_ascend...` packages whose `__path__` points into `roots`, and the utils stub."""
     if not roots:
         raise HarnessError(f"no kernel tree given (--kernel-tree or ${TREE_ENV})")
     for root in roots:
@@ -137,6 +148,56 @@ def register_tree(roots: list[Path]) -> None:
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(sys.modules[parent], child, pkg)
+    stub_utils(roots)
+
+
+def vllm_version(roots: list[Path]) -> str:
+    """The vLLM release the kernels are loaded for, as `vllm_version_is` sees it.
+
+    $VLLM_VERSION (upstream's own override), else the installed vLLM, else (the triton-ascend
+    venv has none) the X.Y.Z of the tree's own version: vllm-ascend X.Y.Z[rcN|.postN] pairs
+    with vLLM X.Y.Z.
+    """
+    if os.environ.get("VLLM_VERSION"):
+        return os.environ["VLLM_VERSION"]
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for root in roots:
+        generated = root / "vllm_ascend" / "_version.py"  # setuptools-scm's, shipped in the sdist
+        if generated.is_file():
+            found = re.search(r"^__version__ = version = '(\d+\.\d+\.\d+)", generated.read_text(), re.M)
+            if found:
+                return found.group(1)
+    raise HarnessError(f"no vLLM installed and no vllm_ascend/_version.py in {roots}: set VLLM_VERSION")
+
+
+def stub_utils(roots: list[Path]) -> types.ModuleType:
+    """Register the `vllm_ascend.utils` stub: `vllm_version_is` only (see the module docstring).
+
+    The vLLM version is looked up when a kernel asks. A kernel file that takes another name from
+    vllm_ascend.utils fails with an ImportError naming this stub: add that name here, torch_npu-free.
+    """
+
+    def vllm_version_is(target_vllm_version: str) -> bool:
+        # as written: upstream compares packaging Versions, which the triton-ascend venv lacks;
+        # both sides are plain X.Y.Z releases here
+        return vllm_version(roots) == target_vllm_version
+
+    utils = types.ModuleType(UTILS, f"kernel harness stub of {UTILS}: vllm_version_is only")
+    utils.__spec__ = importlib.util.spec_from_loader(UTILS, loader=None)
+    utils.__file__ = f"<kernel harness stub: {__file__}>"  # named by `cannot import name ...` errors
+    utils.__kernel_harness__ = True
+    utils.vllm_version_is = vllm_version_is
+    sys.modules[UTILS] = utils
+    sys.modules["vllm_ascend"].utils = utils
+    return utils
+
+
+def tree_root(path: Path) -> Path | None:
+    """The vllm-ascend tree a kernel file lies in (None for a file outside any tree)."""
+    return next((p for p in path.resolve().parents if (p / "vllm_ascend" / "ops" / "triton").is_dir()), None)
 
 
 def setup(roots: list[Path]) -> dict:

@@ -50,3 +50,41 @@ def test_missing_kernel_file_fails(tmp_path):
     (tmp_path / "vllm_ascend" / "ops" / "triton").mkdir(parents=True)
     rc, out = run("--tree", str(tmp_path), "--only", "batch_memmove")
     assert rc == 1 and "FAIL batch_memmove_kernel: batch_memmove.py not found" in out, out
+
+
+NPU_TREE_KERNEL = """
+from vllm.triton_utils import tl, triton
+
+from vllm_ascend.utils import vllm_version_is
+
+if vllm_version_is("0.27.1"):  # the body this tree's own vLLM (0.27.1rc1 -> 0.27.1) runs
+
+    @triton.jit
+    def batch_memmove_kernel(src_ptrs, dst_ptrs, sizes, BLOCK_SIZE: tl.constexpr):
+        pid = tl.program_id(0)
+        src = tl.load(src_ptrs + pid).to(tl.pointer_type(tl.uint8))
+        dst = tl.load(dst_ptrs + pid).to(tl.pointer_type(tl.uint8))
+        size = tl.load(sizes + pid)
+        offsets = tl.arange(0, BLOCK_SIZE)
+        for i in range(0, size, BLOCK_SIZE):
+            mask = (i + offsets) < size
+            tl.store(dst + i + offsets, tl.load(src + i + offsets, mask=mask), mask=mask)
+
+else:
+    raise RuntimeError("the body for another vLLM was chosen")
+"""
+
+
+def test_kernel_importing_a_torch_npu_module_compiles(tmp_path, monkeypatch):
+    """A 0.27.1rc1-like tree: its kernel file imports vllm_ascend.utils, which imports torch_npu.
+
+    The triton-ascend venv has no vLLM: the stub's vllm_version_is answers for the tree's own X.Y.Z.
+    """
+    monkeypatch.delenv("VLLM_VERSION", raising=False)
+    pkg = tmp_path / "vllm_ascend"
+    (pkg / "ops" / "triton").mkdir(parents=True)
+    (pkg / "utils.py").write_text("import torch_npu  # noqa: F401\n\n\ndef vllm_version_is(v):\n    return True\n")
+    (pkg / "_version.py").write_text("__version__ = version = '0.27.1rc1'\n")
+    (pkg / "ops" / "triton" / "batch_memmove.py").write_text(NPU_TREE_KERNEL)
+    rc, out = run("--tree", str(tmp_path), "--only", "batch_memmove")
+    assert rc == 0 and "OK batch_memmove_kernel" in out, out

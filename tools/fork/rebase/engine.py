@@ -185,6 +185,7 @@ def _test_phase(cfg: ForkConfig, work: Path, st: State) -> int | None:
     )  # fmt: skip
     for line in report.summary:
         print(f"fork rebase: [tests] {line}")
+    st.test_counts = report.counts
     if report.ok:
         st.tested = report.summary
         st.test_failures = []
@@ -297,10 +298,13 @@ class Outcome:
     exit_code: int
     onto: str
     patches: list[PatchOutcome]
+    sha256: str = ""  # of the release's sdist (or checkout digest)
+    first_use: bool = False  # the release was not in fork.toml: its sha256 is trusted on first use
     conflict: str | None = None  # the patch it stopped at
     conflict_files: list[str] = field(default_factory=list)
     variants_tried: dict[str, list[str]] = field(default_factory=dict)  # patch -> every version tried
     tests: list[str] = field(default_factory=list)  # the test summary lines ("N passed, ...")
+    test_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # "series"/"base"/"fork": outcome -> n
     test_failures: list[dict] = field(default_factory=list)
 
     @property
@@ -346,7 +350,8 @@ def rebase_tested(
     ]
     stopped = st.items[st.index].name if code == EXIT_CONFLICT and st.index < len(st.items) else None
     return Outcome(
-        exit_code=code, onto=st.onto, patches=patches, conflict=stopped, conflict_files=list(st.conflict_files),
+        exit_code=code, onto=st.onto, patches=patches, sha256=st.onto_sha256, first_use=st.first_use,
+        conflict=stopped, conflict_files=list(st.conflict_files),
         variants_tried={k: list(dict.fromkeys(v)) for k, v in st.tried.items()}, tests=list(st.tested),
-        test_failures=list(st.test_failures),
+        test_counts=dict(st.test_counts), test_failures=list(st.test_failures),
     )  # fmt: skip

@@ -54,6 +54,8 @@ class Report:
     ok: bool
     failures: list[Failure] = field(default_factory=list)
     summary: list[str] = field(default_factory=list)
+    # per run, outcome -> number of tests: "series" (the series' own tests), "base" and "fork" (upstream's suite)
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "failures": [asdict(f) for f in self.failures], "summary": self.summary}
@@ -162,6 +164,7 @@ def run(
             outcome = res.outcome if res else "ran no test"
             report.failures.append(Failure(tid, outcome, res.message if res else why, owner.get(file)))
         c = counts(r.results)
+        report.counts["series"] = dict(c)
         report.summary.append(f"the series' own tests ({len(own)} file(s)): {fmt_counts(c)}")
         if report.failures:
             report.ok = False
@@ -194,6 +197,7 @@ def run(
         file = tid.split("::", 1)[0]
         report.failures.append(Failure(tid, why, "", owner.get(file), "series"))
     cb, cf = counts(base_run.results), counts(fork_run.results)
+    report.counts.update(base=dict(cb), fork=dict(cf))
     report.summary.append(
         f"upstream's CPU suite: base {fmt_counts(cb)} | fork {fmt_counts(cf)}; "
         f"{len(cmp.regressions)} regressed, {len(cmp.lost)} lost"

@@ -61,6 +61,7 @@ class State:
     source_checkout: str = ""
     tested: list[str] = field(default_factory=list)  # the test report's summary ("UNTESTED" with --no-test)
     test_failures: list[dict] = field(default_factory=list)  # set while stopped at failing tests
+    test_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # the test report's counts, per run
     tried: dict[str, list[str]] = field(default_factory=dict)  # patch -> variant origins tried
     chosen: dict[str, str] = field(default_factory=dict)  # patch -> why the tests chose its variant
     conflict_files: list[str] = field(default_factory=list)  # files that conflicted in the stopped patch

@@ -20,6 +20,8 @@ def test_a_written_rebase_reports_each_patch_and_the_tests(tmp_path, monkeypatch
     assert by_name[fork.names[1]].outcome == "already upstream (dropped)" and not by_name[fork.names[1]].applied
     assert by_name[fork.names[0]].variant == f"patches/{fork.names[0]}"
     assert any("the series' own tests" in line for line in out.tests)
+    assert out.test_counts["series"]["passed"] > 0 and out.test_counts["series"]["failed"] == 0
+    assert out.sha256 == fork.sha[B] and not out.first_use  # B is a base in fork.toml: its hash is known
     assert out.conflict is None and config.load(fork.root).pin.version == B
 
 

@@ -29,6 +29,10 @@ VERBS = {
         "Run upstream's CPU suite on base and fork, the kernel checks and the tooling's tests.",
     ),
     "rebase": ("rebase.cmd_rebase", "Move the series onto another vllm-ascend release."),
+    "follow": (
+        "follow.cmd_follow",
+        "Move the series onto the newest vllm-ascend release, tested, as branch follow/VERSION.",
+    ),
     "deploy": (
         "deploy.cmd_deploy",
         "Deploy the fork into an installed vllm-ascend or a checkout, verify it, revert it.",

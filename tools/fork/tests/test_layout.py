@@ -9,7 +9,7 @@ from pathlib import Path
 from tools.fork.cli import VERBS
 
 TOOLS = Path(__file__).resolve().parents[2]  # tools/
-FAMILIES = {"queue", "rebase", "deploy", "testing"}
+FAMILIES = {"queue", "rebase", "follow", "deploy", "testing"}
 VERB_MODULES = {f"tools.fork.{module}" for module, _ in VERBS.values()}
 
 

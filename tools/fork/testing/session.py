@@ -108,7 +108,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
             apply_error = exc  # the base's suite still runs (and is cached); the fork's cannot
 
     if args.kernels_only:
-        steps = kernel_steps(cfg, tenv, fork_tree, fork_added_test_files(cfg.root))
+        steps = kernel_steps(cfg, tenv, fork_tree, fork_added_test_files(cfg.root), base_tree)
         for st in steps:
             extra = f" [{fmt_counts(st.counts)}]" if st.counts else ""
             print(f"  {st.name}: {st.status}{extra} {st.detail}")
@@ -168,7 +168,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
     print_side_by_side(base_run, fork_run, version)
     print_comparison(cmp, base_run is not None)
 
-    steps = kernel_steps(cfg, tenv, fork_tree, added)
+    steps = kernel_steps(cfg, tenv, fork_tree, added, base_tree)
     # g. the tooling's own tests (they do not depend on the base: `make test` runs them once)
     steps.append(tooling_step(cfg, tenv, args.no_tooling_tests))
     # h. deploy into a pip-installed (non-editable) vllm-ascend, test it there, verify, revert

@@ -20,6 +20,13 @@ KERNEL_HARNESS = "tools/kernel_harness"
 ASCEND_COMPILE = "tools/kernel_harness/ascend_compile.py"
 TOOLING_TESTS = "tools/fork/tests"
 
+# Kernel op tests that fail deterministically under the interpreter on a kernel without the series'
+# fix, as `pytest -k` expressions per file: on an unpatched base they must fail, or the CPU ring
+# could no longer catch that regression. The DS conv rows with TEMPORAL_TILES > 1: a kernel without
+# the tile-0 conv guard shifts them once per tile program (patch 2). A base whose kernel lacks DS
+# rows or tiles collects none of them, and has nothing to prove.
+BASE_MUST_FAIL = {f"{KERNEL_TEST_DIR}/test_mamba_state_copy.py": "ds and tiles4"}
+
 
 @dataclass
 class Step:
@@ -95,6 +102,27 @@ def kernel_op_step(name: str, tenv: testenv.TestEnv, root: Path, tree: Path, fil
     return run_step(name, *command, junit, allow_skips=False, may_skip=cuda_only_control)
 
 
+def base_must_fail_step(tenv: testenv.TestEnv, root: Path, base_tree: Path, added: list[str], junit: Path) -> Step:
+    """BASE_MUST_FAIL's cases against the unpatched base: passed when at least one fails there."""
+    name = "kernel op tests on the unpatched base (must fail)"
+    files = [f for f in BASE_MUST_FAIL if f in added]
+    if not files:
+        return Step(name, "none", "the fork adds none of the files in steps.BASE_MUST_FAIL")
+    junit.unlink(missing_ok=True)
+    argv, env, cwd = kernel_test_command(tenv, root, base_tree, [], junit)
+    # the test files are the repository's (the base has none): test ids relative to it
+    argv = [f"--rootdir={root}" if a.startswith("--rootdir=") else a for a in argv]
+    argv += [str(root / f) for f in files] + ["-k", " or ".join(f"({BASE_MUST_FAIL[f]})" for f in files)]
+    print(f"\nfork test: [{name}] {' '.join(str(a) for a in argv[:6])} ...", flush=True)
+    proc = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
+    c = counts(parse_junit(junit.read_text())) if junit.exists() else Counter()
+    if proc.returncode == 5 or not sum(c.values()):  # pytest: no test collected
+        return Step(name, "none", "this base's kernel has none of those cases", c)
+    if c["failed"]:
+        return Step(name, "passed", f"{c['failed']} of {sum(c.values())} fail on the base, as they must", c)
+    return Step(name, "FAILED", f"all {sum(c.values())} pass on the unpatched base: the tests no longer catch it", c)
+
+
 def ascend_compile_command(tenv: testenv.TestEnv, root: Path, tree: Path):
     """The triton-ascend front-end compile check (it sets up its own triton-ascend env)."""
     argv = [sys.executable, "-m", ASCEND_COMPILE[:-3].replace("/", "."), f"--tree={tree}"]
@@ -109,7 +137,7 @@ def tooling_test_command(tenv: testenv.TestEnv, root: Path, junit: Path):
     return argv, tenv.env(), root
 
 
-def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str]) -> list[Step]:
+def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str], base_tree: Path) -> list[Step]:
     """The Triton kernel checks: op tests + harness tests under the interpreter, triton-ascend compile."""
     out = results_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,6 +148,7 @@ def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str]) 
         steps.append(Step("kernel op tests", "none", f"the fork adds no test under {KERNEL_TEST_DIR}"))
     else:
         steps.append(kernel_op_step("kernel op tests", tenv, cfg.root, fork_tree, kernel_files, out / "kernel.xml"))
+        steps.append(base_must_fail_step(tenv, cfg.root, base_tree, kernel_files, out / "kernel-base.xml"))
     # e'. the harness's own tests (loader, and a known-bad kernel the Ascend front end must reject)
     junit = out / "kernel-harness.xml"
     junit.unlink(missing_ok=True)

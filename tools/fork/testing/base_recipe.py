@@ -92,6 +92,7 @@ class _TorchvisionCpuShim:
 
 _sys.meta_path.insert(0, _TorchvisionCpuShim())
 """
+TORCHVISION_SHIM_MODULE = "_fork_torchvision_shim"  # written with a .pth that imports it
 UNINSTALL_AFTER = ("triton",)
 TRITON_SITE_SPEC = "triton==3.7.1"
 

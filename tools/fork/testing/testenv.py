@@ -12,7 +12,7 @@ the building is venvs.py's):
                 for torch-npu and is reported when it differs.
   test deps     pytest<9 as upstream pins, pytest-asyncio, pytest-mock, hypothesis, ray.
 Upstream `triton` is uninstalled afterwards (upstream's CPU CI does this too); torchvision 0.28.0
-(PyPI's CUDA build) gets a `sitecustomize` shim that lets it import beside CPU torch.
+(PyPI's CUDA build) gets a shim (a module its .pth imports at start-up) that lets it import beside CPU torch.
 
 Where it lives: under the user cache (`config.cache_dir()`: ~/.cache/vllm-ascend-fork, FORK_CACHE
 overrides), so clean clones and CI reuse it:
@@ -93,6 +93,18 @@ class TestEnv:
             yield
 
 
+def install_torchvision_shim(site: Path) -> Path:
+    """Write the torchvision shim into `site` as a module that a .pth file imports at start-up.
+
+    Not as sitecustomize.py: a distribution's Python may ship a sitecustomize of its own (Debian's
+    python3 does) that shadows the venv's, and the shim would silently not load.
+    """
+    module = site / f"{recipe.TORCHVISION_SHIM_MODULE}.py"
+    module.write_text(recipe.TORCHVISION_SHIM)
+    (site / f"{recipe.TORCHVISION_SHIM_MODULE}.pth").write_text(f"import {recipe.TORCHVISION_SHIM_MODULE}\n")
+    return module
+
+
 def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     requirements = base.requirements
     venv = root / "venv"
@@ -107,9 +119,8 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
         log=log,
         what=f"install {recipe.TORCHVISION} (--no-deps)",
     )
-    site = venvs.purelib(venv / "bin" / "python")
-    (site / "sitecustomize.py").write_text(recipe.TORCHVISION_SHIM)
-    say(f"  torchvision shim: {site / 'sitecustomize.py'}")
+    shim = install_torchvision_shim(venvs.purelib(venv / "bin" / "python"))
+    say(f"  torchvision shim: {shim}, loaded by its .pth")
     run_logged(pip(venv, "install", "-q", *recipe.VLLM_BUILD_TOOLS), env=env, log=log, what="install vLLM build tools")
     vllm_env = dict(env, VLLM_TARGET_DEVICE="empty", VLLM_VERSION_OVERRIDE=base.vllm)
     vllm = f"vllm=={base.vllm}"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -231,3 +234,25 @@ def test_ensure_spec_reuses_an_unchanged_spec_and_installs_a_changed_one(tmp_pat
     venvs.ensure_spec(where, ["a==2"], ".spec")
     assert calls == [venvs.pip(where, "install", "-q", "a==2")], "the venv exists: only pip runs"
     assert json.loads((where / ".spec").read_text()) == ["a==2"]
+
+
+def test_the_torchvision_shim_loads_where_a_sitecustomize_shadows_the_venvs(tmp_path):
+    """Debian's python3 ships a sitecustomize that shadows a venv's: the shim must load all the same."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.check_output(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True
+        ).strip()
+    )
+    testenv.install_torchvision_shim(site)
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text("SHADOW = True\n")
+    probe = (
+        "import sys, sitecustomize; print(sitecustomize.__file__); "
+        "print(any(type(f).__name__ == '_TorchvisionCpuShim' for f in sys.meta_path))"
+    )
+    out = subprocess.check_output([str(python), "-c", probe], env={**os.environ, "PYTHONPATH": str(shadow)}, text=True)
+    assert out.split() == [str(shadow / "sitecustomize.py"), "True"]

@@ -113,6 +113,7 @@ def base_must_fail_step(tenv: testenv.TestEnv, root: Path, base_tree: Path, adde
     # the test files are the repository's (the base has none): test ids relative to it
     argv = [f"--rootdir={root}" if a.startswith("--rootdir=") else a for a in argv]
     argv += [str(root / f) for f in files] + ["-k", " or ".join(f"({BASE_MUST_FAIL[f]})" for f in files)]
+    argv.append("--tb=no")  # failures are expected here: their names, not their tracebacks
     print(f"\nfork test: [{name}] {' '.join(str(a) for a in argv[:6])} ...", flush=True)
     proc = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
     c = counts(parse_junit(junit.read_text())) if junit.exists() else Counter()

@@ -6,7 +6,7 @@ import os
 import stat
 import subprocess
 import sys
-import warnings
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -189,22 +189,31 @@ def test_check_names_two_patches_with_one_number(tmp_path, monkeypatch):
 # --- the build prints no warning of upstream's metadata -------------------------------------------
 
 
-def test_the_build_backend_silences_upstreams_licence_classifier_warning(tmp_path, monkeypatch):
-    from tools.fork.queue import backend, wheel
+def test_the_build_backend_silences_upstreams_licence_classifier_warning(tmp_path):
+    # In a fresh interpreter: setuptools' distutils hack fails to install in a process where other
+    # tests have already imported parts of the packaging stack.
+    script = textwrap.dedent(
+        f"""
+        import os, warnings
+        from tools.fork.queue import backend, wheel
 
-    monkeypatch.setattr(backend.config, "load", lambda *a, **k: None)
-    monkeypatch.setattr(wheel, "materialized_pin", lambda cfg: tmp_path)
-    monkeypatch.setattr(wheel, "build_environment", lambda cfg: (dict(os.environ), []))
+        backend.config.load = lambda *a, **k: None
+        wheel.materialized_pin = lambda cfg: {str(tmp_path)!r}
+        wheel.build_environment = lambda cfg: (dict(os.environ), [])
 
-    def upstream_metadata(directory, settings=None):  # what setuptools >= 77 does with upstream's setup.py
-        warnings.warn("License classifiers are deprecated.\n!!\n  Please consider ...", DeprecationWarning, 2)
-        return "vllm_ascend.dist-info"
+        def upstream_metadata(directory, settings=None):  # what setuptools >= 77 does with upstream's setup.py
+            warnings.warn("License classifiers are deprecated.\\n!!\\n  Please consider ...", DeprecationWarning, 2)
+            return "vllm_ascend.dist-info"
 
-    monkeypatch.setattr(backend._setuptools, "prepare_metadata_for_build_wheel", upstream_metadata)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        assert backend.prepare_metadata_for_build_wheel(str(tmp_path)) == "vllm_ascend.dist-info"
-    assert not [w for w in seen if "License classifiers" in str(w.message)]
+        backend._setuptools.prepare_metadata_for_build_wheel = upstream_metadata
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert backend.prepare_metadata_for_build_wheel({str(tmp_path)!r}) == "vllm_ascend.dist-info"
+        assert not [w for w in seen if "License classifiers" in str(w.message)], seen
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
 
 
 # --- a fresh machine: empty home, no git identity -------------------------------------------------

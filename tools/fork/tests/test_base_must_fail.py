@@ -45,6 +45,7 @@ def _run(repo, base, kernel: str, added=(TEST_FILE,)):
 def test_a_case_failing_on_the_base_proves_the_tests(repo):
     step = _run(*repo, kernel="broken")
     assert step.status == "passed" and step.counts["failed"] == 1 and step.counts["passed"] == 0
+    assert not step.of_the_fork  # the base's counts: left out of the fork's closing total
 
 
 def test_cases_passing_on_the_base_fail_the_step(repo):

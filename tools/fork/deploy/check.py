@@ -35,7 +35,7 @@ from tools.fork.core import config, upstream
 from tools.fork.core.errors import BadInput, ForkError
 from tools.fork.deploy.expected import PACKAGE, Expected, expected, sha256
 from tools.fork.deploy.target import BACKUP_DIR
-from tools.fork.testing import junit, venvs
+from tools.fork.testing import base_recipe, junit, venvs
 
 SCRIPT = Path("docker") / "deploy-installed.sh"
 PIP_ENV = {"SOC_VERSION": "ascend910b1", "COMPILE_CUSTOM_KERNELS": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
@@ -130,7 +130,12 @@ def fresh_venv(python: Path, wheel: Path, work: Path) -> tuple[Path, Path]:
     site = venvs.purelib(vpython)
     for old in [site / PACKAGE, site / BACKUP_DIR, *site.glob("vllm_ascend-*.dist-info")]:
         shutil.rmtree(old, ignore_errors=True)  # ours: left over from an earlier run
-    (site / "_fork_deploy_check_base.pth").write_text(f"{base_site}\n")
+    # The test environment's site-packages as a path, not as a site dir (its .pth files would bring
+    # its editable vllm_ascend); its torchvision shim, which a .pth of its own loads, is loaded here.
+    lines = [str(base_site)]
+    if (base_site / f"{base_recipe.TORCHVISION_SHIM_MODULE}.py").exists():
+        lines.append(f"import {base_recipe.TORCHVISION_SHIM_MODULE}")
+    (site / "_fork_deploy_check_base.pth").write_text("\n".join(lines) + "\n")
     # -I: the test environment may hold an (editable) vllm_ascend of its own; never touch it.
     _run(
         [vpython, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", "--no-index", wheel],

@@ -56,18 +56,23 @@ DROPPED_REQUIREMENTS = (
     "setuptools*",  # setuptools, setuptools-scm: build tools, pinned above
     "wheel",
 )
-# PyPI's torchvision is a CUDA build; beside CPU torch its C++ ops do not load and its Python
-# side then fails registering fake kernels for torchvision::nms/qnms. Upstream's suite needs it
-# importable (transformers' Qwen2-VL image processor, reached from vllm_ascend's patches, imports
-# torchvision.transforms.v2), not its ops: TORCHVISION_SHIM defines the two schemas first.
+# The registry's torchvision is a CUDA build. Beside a CUDA torch (what pip installs when it finds no
+# local CPU wheel) its C++ ops load and define torchvision::nms/qnms themselves; beside the CPU torch
+# wheel they do not load, and its Python side then fails registering fake kernels for those two ops.
+# Upstream's suite needs it importable (transformers' Qwen2-VL image processor, reached from
+# vllm_ascend's patches, imports torchvision.transforms.v2), not its ops: TORCHVISION_SHIM defines
+# the two schemas, but only when torchvision's own extension has not (decided by what is registered
+# when torchvision reaches its fake kernels, not by version strings).
 TORCHVISION = "torchvision==0.28.0"  # the release paired with torch 2.13
 # The shim's text is part of every test venv's recipe hash: editing it, even its comments, rebuilds
 # every cached test environment.
 TORCHVISION_SHIM = """\
-# Written by tools/fork/testenv.py (the fork's CPU test env). PyPI's torchvision is a CUDA
-# build whose C++ ops do not load beside the CPU torch wheel; its Python side then fails
-# registering fake kernels for torchvision::nms / qnms. Define those two schemas just before
-# torchvision is first imported (torch is not imported at interpreter start-up).
+# Written by tools/fork/testenv.py (the fork's CPU test env). torchvision loads its C++ extension
+# (torchvision.extension), then registers fake kernels for torchvision::nms / qnms
+# (torchvision._meta_registrations), which needs their schemas. Beside a torch its extension was not
+# built for, the extension does not load and nothing defines them: just before
+# torchvision._meta_registrations is imported, define the two schemas if, and only if, they are
+# missing then. An extension that loaded has defined them; defining them again would abort.
 import sys as _sys
 
 
@@ -75,19 +80,20 @@ class _TorchvisionCpuShim:
     libs = []
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torchvision":
+        if name != "torchvision._meta_registrations":
             return None
         _sys.meta_path.remove(self)
         try:
             import torch
 
-            lib = torch.library.Library("torchvision", "DEF")
-            lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-            lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-            self.libs.append(lib)  # kept alive: a collected Library drops its definitions
+            if not hasattr(torch.ops.torchvision, "nms"):
+                lib = torch.library.Library("torchvision", "DEF")
+                lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+                lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+                self.libs.append(lib)  # kept alive: a collected Library drops its definitions
         except Exception:
             pass
-        return None  # the regular finders import torchvision itself
+        return None  # the regular finders import the module itself
 
 
 _sys.meta_path.insert(0, _TorchvisionCpuShim())

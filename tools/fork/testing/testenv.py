@@ -8,11 +8,14 @@ the building is venvs.py's):
                 Python (VLLM_TARGET_DEVICE=empty) with its build tools (setuptools-rust included).
   requirements  the base's own requirements.txt minus the NPU/CUDA-only and build-only entries
                 (transformers and every other pin as the base writes it).
-  torch         the CPU wheel this kind of machine holds (TORCH); the base's own torch pin is
-                for torch-npu and is reported when it differs.
+  torch         TORCH as pip finds it: a local CPU wheel when PIP_FIND_LINKS (or pip.conf's find-links)
+                names a folder holding one, else the registry's CUDA build with its nvidia-* libraries
+                (it runs on the CPU all the same; the build log says which). The base's own torch pin
+                is for torch-npu and is reported when it differs.
   test deps     pytest<9 as upstream pins, pytest-asyncio, pytest-mock, hypothesis, ray.
 Upstream `triton` is uninstalled afterwards (upstream's CPU CI does this too); torchvision 0.28.0
-(PyPI's CUDA build) gets a shim (a module its .pth imports at start-up) that lets it import beside CPU torch.
+(the registry's CUDA build) gets a shim (a module its .pth imports at start-up) that lets it import
+beside the CPU torch, and does nothing where its own extension loads (beside the CUDA torch).
 
 Where it lives: under the user cache (`config.cache_dir()`: ~/.cache/vllm-ascend-fork, FORK_CACHE
 overrides), so clean clones and CI reuse it:
@@ -28,13 +31,14 @@ with the same recipe share one environment, and a changed recipe builds a new on
 editable into the venv just before its suite runs, under the environment's lock (one suite run at
 a time per environment, across processes).
 
-Run `python -m tools.fork test --base VERSION --env-only` to build or check one alone.
+Run `python3 -m tools.fork test --base VERSION --env-only` to build or check one alone.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -105,6 +109,53 @@ def install_torchvision_shim(site: Path) -> Path:
     return module
 
 
+# The built venv's check: it imports what the suites need, one module at a time, saying which first
+# (a crash inside an import leaves that line last), and ends with one summary line.
+CHECK = """\
+import importlib, importlib.util, sys
+mods = {}
+for name in ("torch", "torchvision", "vllm", "transformers", "pytest",
+             "transformers.models.qwen2_vl.image_processing_qwen2_vl"):
+    print("importing " + name, flush=True)
+    mods[name] = importlib.import_module(name)
+torch = mods["torch"]
+build = "CUDA %s build, run on the CPU" % torch.version.cuda if torch.version.cuda else "CPU build"
+print("checking that triton is gone", flush=True)
+if importlib.util.find_spec("triton") is not None:
+    sys.exit("triton is still importable (the kernel tests need the interpreter's triton-site)")
+print(" | ".join("%s %s" % (n, mods[n].__version__) for n in ("torch", "torchvision", "vllm", "transformers", "pytest"))
+      + " (torch: " + build + ")")
+"""
+
+
+def installed_version(venv: Path, dist: str) -> str:
+    """The version of the distribution `dist` installed in `venv` (its metadata; nothing imported)."""
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+        env=venvs.run_env(venv), capture_output=True, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    return proc.stdout.strip() or "(unknown version)"
+
+
+def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
+    """The cause of a failed CHECK in two lines: what failed and why (the first line of the error,
+    not a C++ trace), then where the whole output is and what to set."""
+    lines = stdout.strip().splitlines()
+    doing = lines[-1] if lines else "checking the venv"
+    errors = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    # The exception line of a Python traceback ("SomeError: message"), else the last line.
+    cause = next((ln for ln in errors if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:", ln)), None)
+    cause = cause or (errors[-1] if errors else "")
+    if returncode < 0:
+        cause = f"killed by signal {-returncode}" + (f" ({cause})" if cause else "")
+    cause = cause if len(cause) <= 300 else cause[:297] + "..."
+    return (
+        f"test env: the built venv fails {doing}: {cause}\n"
+        f"  whole output: {log}; the torch pip chose is in its freeze.txt. To use a local CPU torch wheel, "
+        f"set PIP_FIND_LINKS=DIR (a folder holding {recipe.TORCH.replace('==', '-')}+cpu-*.whl) and run again."
+    )
+
+
 def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     requirements = base.requirements
     venv = root / "venv"
@@ -112,7 +163,19 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     venvs.create(venv, log=log)
     run_logged(pip(venv, "install", "-q", "--upgrade", "pip"), env=env, log=log, what="upgrade pip")
     # torch first, so that nothing later picks another build of it.
-    run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH} (CPU)")
+    # A local CPU wheel when pip finds one (PIP_FIND_LINKS), else the registry's CUDA build: both run
+    # on the CPU; the CUDA one brings its nvidia-* libraries (a few GB per environment).
+    run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
+    torch_build = installed_version(venv, "torch")
+    say(
+        f"  torch {torch_build}: "
+        + (
+            "the local CPU build"
+            if "+cpu" in torch_build
+            else "the registry's build with its nvidia-* libraries (runs on the CPU; a folder holding the CPU "
+            "wheel in PIP_FIND_LINKS saves the download)"
+        )
+    )
     run_logged(
         pip(venv, "install", "-q", "--no-deps", recipe.TORCHVISION),
         env=env,
@@ -143,20 +206,16 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     )
     uninstall = recipe.UNINSTALL_AFTER
     run_logged(pip(venv, "uninstall", "-y", *uninstall), env=env, log=log, what="uninstall " + " ".join(uninstall))
-    check = (
-        "import importlib.util as u, torch, torchvision, vllm, transformers, pytest\n"
-        "import transformers.models.qwen2_vl.image_processing_qwen2_vl\n"
-        "assert u.find_spec('triton') is None, 'triton still importable'\n"
-        "assert torch.version.cuda is None, 'torch is a CUDA build: ' + torch.__version__\n"
-        "mods = (torch, torchvision, vllm, transformers, pytest)\n"
-        "print(' | '.join(f'{m.__name__} {m.__version__}' for m in mods))\n"
-    )
-    proc = subprocess.run([str(venv / "bin" / "python"), "-c", check], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ForkError(f"test env: the built venv does not import as expected:\n{proc.stderr.strip()[-2000:]}")
-    say(f"  check: {proc.stdout.strip()}")
     freeze = subprocess.run(pip(venv, "freeze", "--all"), env=env, capture_output=True, text=True)
     (root / "freeze.txt").write_text(freeze.stdout)
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", CHECK], env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
+    with log.open("a") as f:
+        f.write(f"\n$ python -c CHECK (testenv.CHECK)\n{proc.stdout}{proc.stderr}")
+    if proc.returncode != 0:
+        raise ForkError(check_failure(proc.returncode, proc.stdout, proc.stderr, log))
+    say(f"  check: {proc.stdout.strip().splitlines()[-1]}")
 
 
 def _build_triton_site(root: Path, log: Path) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tools.fork.core import config, upstream
 from tools.fork.core.errors import BadInput, ForkError
+from tools.fork.core.outputs import output_dir
 from tools.fork.deploy.expected import PACKAGE, Expected, expected, sha256
 from tools.fork.deploy.target import BACKUP_DIR
 from tools.fork.testing import base_recipe, junit, venvs
@@ -231,6 +232,8 @@ def state_differences(before: dict[str, str], after: dict[str, str]) -> list[str
 
 def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | None = None, work: Path | None = None):
     """Install, deploy, test, verify, revert, compare. Raises ForkError on any failure."""
+    if work is not None:
+        output_dir(work, "--work")  # before any work
     python = Path(python or default_python(cfg))
     if not python.exists():
         raise BadInput(
@@ -238,7 +241,7 @@ def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | 
             "--env-only`) or set FORK_DEPLOY_PYTHON"
         )
     version = cfg.base(version).version
-    work = (work or cfg.build_dir / "deploy-check").resolve()
+    work = output_dir(work or cfg.build_dir / "deploy-check", "--work").resolve()
     work.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     t = time.monotonic()
@@ -311,7 +314,7 @@ def pip_uninstall_leaves_nothing(python: Path, vpython: Path, site: Path, script
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.fork.deploy.check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python3 -m tools.fork.deploy.check", description=__doc__.split("\n\n")[0])
     p.add_argument("-C", dest="root", type=Path, default=config.REPO_ROOT, help="the fork repository")
     p.add_argument("--python", type=Path, help="the test environment's Python (default build/testenv/venv/bin/python)")
     p.add_argument("--base", help="a base in fork.toml (default: the pin)")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tools.fork.core import series, upstream
 from tools.fork.core.materialize import materialize
+from tools.fork.core.outputs import output_dir
 
 HELP = __doc__
 
@@ -27,6 +28,8 @@ def add_arguments(p) -> None:
 
 def run(args, cfg) -> int:
     upstream.check_named_sdist(args.sdist)
+    if args.into is not None:
+        output_dir(args.into, "--into")
     base = cfg.base(None if args.base is None else upstream.require_version(args.base, "--base"))
     if args.base_only:
         patches = []

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tools.fork.core import git, series
 from tools.fork.core.errors import ForkError
+from tools.fork.core.outputs import output_dir
 from tools.fork.queue import wheel
 
 HELP = __doc__
@@ -40,7 +41,7 @@ def _stamp(cfg, tree: Path, env: dict) -> str:
 def run(args, cfg) -> int:
     if importlib.util.find_spec("setuptools_scm") is None:  # the wheel's version; say so before any work
         raise ModuleNotFoundError("build needs setuptools-scm", name="setuptools_scm")
-    dist = (args.dist or cfg.root / "dist").resolve()
+    dist = (output_dir(args.dist, "--dist") if args.dist else cfg.root / "dist").resolve()
     tree = wheel.materialized_pin(cfg)
     env, notes = wheel.build_environment(cfg)
     wheel.announce(notes)

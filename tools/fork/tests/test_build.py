@@ -50,3 +50,27 @@ def test_build_refuses_local_edits(fork_with_patch):
     (fork.tree / "vllm_ascend/envs.py").write_text("dirty\n")
     proc = fork.run("build", "--no-build-isolation", check=False)
     assert proc.returncode == 6 and "local edits" in proc.stderr
+
+
+def test_build_dist_that_is_a_file_is_refused_and_left_byte_identical(fork):
+    """A mistyped --dist (an existing file) must cost nothing: exit 2, one line, the file as it was."""
+    victim = fork.root / "notes.txt"
+    victim.write_bytes(b"a user's notes\n\x00binary too\n")
+    for where in (victim, victim / "dist"):
+        proc = fork.run("build", "--no-build-isolation", "--dist", str(where), check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"fork build: error: --dist {where}: "
+            + ("it" if where == victim else str(victim))
+            + " exists and is not a directory; nothing was written (give a new or existing directory)"
+        ]
+        assert victim.read_bytes() == b"a user's notes\n\x00binary too\n"
+    assert not (fork.root / "build" / "fork").exists(), "refused before any work"
+
+
+def test_apply_into_a_file_is_refused_and_left_byte_identical(fork):
+    victim = fork.root / "tree.txt"
+    victim.write_bytes(b"keep me\n")
+    proc = fork.run("apply", "--into", str(victim), check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "is not a directory" in proc.stderr and victim.read_bytes() == b"keep me\n"

@@ -235,3 +235,16 @@ def test_record_with_keeps_other_rows():
         ["backup/m.json", "", ""],
     ]
     assert new.count(b"\r\n") == 4, "the line terminator of the original is kept"
+
+
+def test_deploy_check_work_that_is_a_file_is_refused_and_left_byte_identical(repo, tmp_path, capsys):
+    from tools.fork.deploy import check
+
+    victim = tmp_path / "work.txt"
+    victim.write_bytes(b"not a folder\n")
+    rc = check.main(["-C", str(repo["root"]), "--python", str(tmp_path / "no-python"), "--work", str(victim)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip().splitlines() == [
+        f"--work {victim}: it exists and is not a directory; nothing was written (give a new or existing directory)"
+    ]
+    assert victim.read_bytes() == b"not a folder\n"

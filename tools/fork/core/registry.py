@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def _pip_download(cfg: ForkConfig, version: str, dest: Path) -> Path:
             f"could not download {cfg.dist}=={version} from the package registry: {exc}\n"
             "Offline? Pass a local sdist with --sdist PATH or an upstream checkout with --checkout DIR."
         ) from None
-    print(f"fork: downloading {cfg.dist}=={version} sdist from the package registry ...", flush=True)
+    t0 = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(_PIP_ENV, PIP_DISABLE_PIP_VERSION_CHECK="1")
     cmd = [
@@ -94,6 +95,8 @@ def _pip_download(cfg: ForkConfig, version: str, dest: Path) -> Path:
         )
     if len(found) != 1:
         raise UpstreamUnavailable(f"pip left {len(found)} sdists in {dest}, expected one")
+    # Said after the fact: a version the registry lacks is an error alone, not "downloading" and then one.
+    print(f"fork: downloaded {found[0].name} from the package registry ({time.monotonic() - t0:.1f} s)", flush=True)
     return found[0]
 
 

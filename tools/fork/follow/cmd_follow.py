@@ -27,6 +27,7 @@ from pathlib import Path
 from tools.fork.core import config, git, series, upstream
 from tools.fork.core.config import OVERLAY_ROOTS, VERSION_RE, ForkConfig
 from tools.fork.core.errors import EXIT_CONFLICT, BadInput, ForkError, LocalEdits
+from tools.fork.core.outputs import output_dir
 from tools.fork.follow import releases, report
 from tools.fork.rebase.engine import Outcome, rebase_tested, sigterm_as_interrupt
 from tools.fork.testing.base_recipe import paired_vllm
@@ -72,6 +73,8 @@ def run(args, cfg: ForkConfig) -> int:
     head = git.rev(cfg.root, "HEAD") if git.is_repo(cfg.root) else None
     if head is None:
         raise BadInput(f"{cfg.root} is not a git checkout with a commit: follow leaves its result as a branch there")
+    if args.report_dir is not None:
+        output_dir(args.report_dir, "--report-dir")  # before any work
     version = _target(args, cfg)
     if version is None:
         return EXIT_NOTHING_NEWER
@@ -81,7 +84,7 @@ def run(args, cfg: ForkConfig) -> int:
             f"branch {branch} exists already (an earlier follow of {version}); nothing was done. "
             f"Delete it (`git branch -D {branch}`) to follow {version} again."
         )
-    report_dir = (args.report_dir or cfg.build_dir / "follow" / version).resolve()
+    report_dir = output_dir(args.report_dir or cfg.build_dir / "follow" / version, "--report-dir").resolve()
     _note_uncommitted(cfg.root, head)
     r = {"schema": 1, "version": version, "from": cfg.pin.version, "head": head,
          "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
@@ -213,5 +216,5 @@ def commit_message(r: dict) -> str:
         evidence = "; ".join(p["evidence"])
         lines.append(f"  {i}. {p['patch']}: {p['outcome']}" + (f" ({evidence})" if evidence else ""))
     lines += ["", "Tests:", *(f"  {line}" for line in r["tests"]["summary"])]
-    lines += ["", "Made by `python -m tools.fork follow`; its report (follow.md) is the pull request's description."]
+    lines += ["", "Made by `python3 -m tools.fork follow`; its report (follow.md) is the pull request's description."]
     return "\n".join(lines) + "\n"

@@ -92,13 +92,14 @@ def markdown(r: dict) -> str:
     v = r.get("version") or "-"
     lines = [f"## Follow vllm-ascend {v}: {_HEADLINE[r['status']]}", ""]
     if r.get("version"):
-        sha = r.get("sha256") or ""
+        sha = r.get("sha256")  # absent when the release was never obtained (e.g. not on the registry)
         tofu = ", trusted on first use: compare it with the registry's hash" if r.get("first_use") else ""
-        lines += [
-            f"- **Release:** vllm-ascend {v} (from {r['from']}; sdist sha256 `{sha[:12]}`{tofu})",
-            f"- **Paired vLLM:** {r.get('vllm') or 'unknown'}"
-            + (f", from {r['vllm_from']}" if r.get("vllm_from") else ""),
-        ]
+        lines.append(
+            f"- **Release:** vllm-ascend {v} (from {r['from']}"
+            + (f"; sdist sha256 `{sha[:12]}`{tofu})" if sha else ")")
+        )
+        if r.get("vllm"):
+            lines.append(f"- **Paired vLLM:** {r['vllm']}" + (f", from {r['vllm_from']}" if r.get("vllm_from") else ""))
     lines += [f"- **Exit code:** {r['exit_code']} ({r['status']})", f"- **Wall time:** {r['wall_s']:.0f} s"]
     if r.get("branch"):
         lines.append(f"- **Branch:** `{r['branch']}` (commit `{r['commit'][:12]}`)")

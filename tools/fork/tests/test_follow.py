@@ -8,8 +8,10 @@ checkout is byte-identical.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-from tools.fork.core import config, git, series
+from tools.fork.core import config, git, registry, series
 from tools.fork.follow.cmd_follow import EXIT_MOVED, EXIT_NEEDS_PERSON, EXIT_NOTHING_NEWER, EXIT_TESTS_FAIL
 from tools.fork.tests.synthetic import COPY, SERIES, SNAPSHOT_TEST, UPSTREAM, UTILS, const, edited, replace
 from tools.fork.tests.synthetic_registry import COUNTS, checkout_state, fake_tests, follow_fork, serve
@@ -183,3 +185,34 @@ def test_a_registry_without_the_package_is_exit_5(tmp_path, monkeypatch):
     serve(monkeypatch, tmp_path / "empty")
     r = fork.cli("follow")
     assert r.rc == 5 and "could not list the releases of vllm-ascend on the package registry" in r.err
+
+
+def test_an_unknown_release_is_an_error_first_and_its_report_has_no_empty_field(tmp_path, monkeypatch):
+    fork = follow_fork(tmp_path, monkeypatch, {"1.0.0": UPSTREAM, "1.1.0": NEWER})
+    tested = fake_tests(monkeypatch)
+    # pip's download helper: this Python (it has the build tools the helper venv would get from the registry)
+    monkeypatch.setattr(registry, "helper_python", lambda: Path(sys.executable))
+    before = checkout_state(fork.root, leave_out=fork.root / "build")
+    r = fork.cli("rebase", "--onto", "9.9.9")
+    assert r.rc == 2 and r.out == "", r.text  # nothing said before the error ("downloading ...")
+    assert r.err.strip().splitlines() == [
+        "fork rebase: error: vllm-ascend 9.9.9 is not a release on the package registry (newest: 1.1.0)"
+    ]
+    r, rep = follow(fork, tmp_path, "--release", "9.9.9")
+    assert r.rc == 2 and rep["status"] == "failed" and "9.9.9 is not a release" in rep["message"], r.text
+    assert all(value not in ("", None) for value in rep.values()), rep  # no field without a value
+    md = (tmp_path / "report" / "follow.md").read_text()
+    assert "sha256 ``" not in md and "sha256" not in md, md
+    assert checkout_state(fork.root, leave_out=fork.root / "build") == before and tested == []
+
+
+def test_a_report_dir_that_is_a_file_is_refused_and_left_as_it_was(tmp_path, monkeypatch):
+    fork = follow_fork(tmp_path, monkeypatch, {"1.0.0": UPSTREAM, "1.1.0": NEWER})
+    tested = fake_tests(monkeypatch)
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"a user's file\n")
+    for where in (notes, notes / "sub"):
+        r = fork.cli("follow", "--report-dir", str(where))
+        assert r.rc == 2 and len(r.err.strip().splitlines()) == 1 and "is not a directory" in r.err, r.text
+    assert notes.read_bytes() == b"a user's file\n"
+    assert tested == [] and not git.rev(fork.root, "refs/heads/follow/1.1.0")

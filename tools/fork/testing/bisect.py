@@ -26,7 +26,7 @@ def bisect(cfg, tenv: testenv.TestEnv, base, ignores: list[str], source) -> int:
     version = base.version
     patches = series.read(cfg, version)
     pytest_args = suite.ut_pytest_args(ignores, None, [])
-    out = suite.results_dir(cfg)
+    out = suite.results_dir(cfg, version)
     cache = suite.base_cache_path(tenv, version, base.sha256, pytest_args)
     base_run = suite.load_cached(cache)
     if base_run is None:

@@ -16,6 +16,7 @@ class Comparison:
     lost: list[str] = field(default_factory=list)  # passed on base, absent from the fork
     new: list[Result] = field(default_factory=list)  # ids the fork has and the base has not
     fixed: list[str] = field(default_factory=list)  # broken on base, passing on the fork
+    broken_both: list[str] = field(default_factory=list)  # broken on base and fork alike (the release's own)
     fork_added_bad: list[tuple[str, str]] = field(default_factory=list)  # (id or file, outcome/why)
 
     @property
@@ -55,6 +56,7 @@ def compare(
                     cmp.regressions.append((tid, f.outcome))
             elif b.outcome in BROKEN and f is not None and f.outcome == "passed":
                 cmp.fixed.append(tid)
+        cmp.broken_both = broken_on_both(base, fork)
         cmp.new = [r for tid, r in sorted(fork.items()) if tid not in base]
     added = set(fork_added_files)
     seen_files = set()
@@ -68,9 +70,9 @@ def compare(
     return cmp
 
 
-def broken_on_both(base: dict[str, Result], fork: dict[str, Result]) -> int:
-    """Tests broken on the fork that are broken on the base as well (the release's own failures)."""
-    return sum(1 for tid, r in fork.items() if r.outcome in BROKEN and tid in base and base[tid].outcome in BROKEN)
+def broken_on_both(base: dict[str, Result], fork: dict[str, Result]) -> list[str]:
+    """The ids of tests broken on the fork that are broken on the base as well (the release's own failures), sorted."""
+    return sorted(tid for tid, r in fork.items() if r.outcome in BROKEN and tid in base and base[tid].outcome in BROKEN)
 
 
 def print_side_by_side(base: SuiteRun | None, fork: SuiteRun, base_version: str) -> None:
@@ -105,6 +107,8 @@ def print_comparison(cmp: Comparison, have_base: bool) -> None:
             _list("PASS on base, MISSING from fork", cmp.lost)
         if cmp.fixed:
             _list("broken on base, passing on fork", cmp.fixed)
+        if cmp.broken_both:
+            _list("broken on base and fork alike (the release's own; not judged)", cmp.broken_both, limit=1000)
         _list("tests new in the fork", [f"{r.id}: {r.outcome}" for r in cmp.new])
     if cmp.fork_added_bad:
         _list("fork-added tests NOT passing", [f"{t}: {o}" for t, o in cmp.fork_added_bad])

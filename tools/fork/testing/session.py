@@ -24,7 +24,6 @@ from tools.fork.testing.exclusions import (
 )
 from tools.fork.testing.junit import counts, fmt_counts
 from tools.fork.testing.results import (
-    broken_on_both,
     compare,
     fork_added_test_files,
     print_comparison,
@@ -108,7 +107,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
             apply_error = exc  # the base's suite still runs (and is cached); the fork's cannot
 
     if args.kernels_only:
-        steps = kernel_steps(cfg, tenv, fork_tree, fork_added_test_files(cfg.root), base_tree)
+        steps = kernel_steps(cfg, tenv, fork_tree, fork_added_test_files(cfg.root), base_tree, version=version)
         for st in steps:
             extra = f" [{fmt_counts(st.counts)}]" if st.counts else ""
             print(f"  {st.name}: {st.status}{extra} {st.detail}")
@@ -133,7 +132,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
     if base_run is not None:
         print(f"fork test: [base] results cached ({cache.name}; base, environment and selection unchanged)")
     elif not args.fork_only:
-        base_run = run_suite(tenv, base_tree, version, "base", pytest_args, results_dir(cfg))
+        base_run = run_suite(tenv, base_tree, version, "base", pytest_args, results_dir(cfg, version))
         store_cached(base_run, cache)
     if apply_error is not None:
         c = counts(base_run.results)
@@ -148,7 +147,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
     full_cache = base_cache_path(tenv, version, base.sha256, ut_pytest_args(ignores, None, []))
     if base_run is None and args.fork_only and not (narrowed and full_cache.exists()):
         print("fork test: [base] skipped (--fork-only, no cached base results): no base comparison")
-    fork_run = run_suite(tenv, fork_tree, version, "fork", pytest_args, results_dir(cfg))
+    fork_run = run_suite(tenv, fork_tree, version, "fork", pytest_args, results_dir(cfg, version))
     if base_run is None and args.fork_only and narrowed:
         full = load_cached(full_cache)
         if full is not None:
@@ -168,7 +167,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
     print_side_by_side(base_run, fork_run, version)
     print_comparison(cmp, base_run is not None)
 
-    steps = kernel_steps(cfg, tenv, fork_tree, added, base_tree)
+    steps = kernel_steps(cfg, tenv, fork_tree, added, base_tree, version=version)
     # g. the tooling's own tests (they do not depend on the base: `make test` runs them once)
     steps.append(tooling_step(cfg, tenv, args.no_tooling_tests))
     # h. deploy into a pip-installed (non-editable) vllm-ascend, test it there, verify, revert
@@ -199,7 +198,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
         print("fork test: OK")
     # One closing line in the form CI reads: 'N passed, N failed' (failed counts errors too). Upstream
     # tests that are broken on the base as well are the release's own: named apart, not as the fork's.
-    broken_on_base = broken_on_both(base_run.results, fork_run.results) if base_run is not None else 0
+    broken_on_base = len(cmp.broken_both)
     failed_total = total["failed"] + total["error"] - broken_on_base
     upstream_own = f" ({broken_on_base} broken on the base {version} too)" if broken_on_base else ""
     print(

@@ -141,9 +141,12 @@ def tooling_test_command(tenv: testenv.TestEnv, root: Path, junit: Path):
     return argv, tenv.env(), root
 
 
-def kernel_steps(cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str], base_tree: Path) -> list[Step]:
-    """The Triton kernel checks: op tests + harness tests under the interpreter, triton-ascend compile."""
-    out = results_dir(cfg)
+def kernel_steps(
+    cfg, tenv: testenv.TestEnv, fork_tree: Path, added: list[str], base_tree: Path, *, version: str | None = None
+) -> list[Step]:
+    """The Triton kernel checks: op tests + harness tests under the interpreter, triton-ascend compile;
+    their junit files in `version`'s results folder."""
+    out = results_dir(cfg, version)
     out.mkdir(parents=True, exist_ok=True)
     steps: list[Step] = []
     # e. kernel op tests under the Triton interpreter

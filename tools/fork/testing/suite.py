@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.fork.core.errors import ForkError
+from tools.fork.core.outputs import output_dir
 from tools.fork.testing import testenv
 from tools.fork.testing.junit import JUNIT_FAMILY, ParseError, Result, parse_junit
 
@@ -54,9 +55,11 @@ def _tail(path: Path, n: int) -> list[str]:
     return path.read_text(errors="replace").splitlines()[-n:]
 
 
-def results_dir(cfg) -> Path:
-    """Per-run junit files and logs (this checkout's); cached base results live with the env."""
-    return cfg.build_dir / "test-results"
+def results_dir(cfg, version: str | None = None) -> Path:
+    """Per-run junit files and logs (this checkout's), those of a base's run in a folder of their own
+    (`make test` tests two bases in turn); cached base results live with the env."""
+    root = cfg.build_dir / "test-results"
+    return output_dir(root / version if version else root, "the test results' folder")
 
 
 def pytest_command(python, tree: Path, junit: Path, args: list[str]) -> list[str]:

@@ -234,6 +234,32 @@ def test_failing_on_both_is_not_a_regression_and_a_fix_is_reported():
     assert fixed.ok and fixed.fixed == ["tests/ut/test_b.py::t3"]
 
 
+def test_tests_broken_on_base_and_fork_alike_are_named(capsys):
+    """docs/testing.md: tests that fail on both are listed (by id), not only counted, and not judged."""
+    base = dict(BASE, **_results(test_c__t5="error", test_c__t6="failed"))
+    fork = dict(base, **_results(test_c__t6="error", test_b__t3="passed"))
+    cmp = results.compare(base, fork, [])
+    assert cmp.ok and cmp.broken_both == ["tests/ut/test_c.py::t5", "tests/ut/test_c.py::t6"]
+    results.print_comparison(cmp, True)
+    out = capsys.readouterr().out
+    listed = out.split("broken on base and fork alike", 1)[1].split("\n\n", 1)[0]
+    assert "tests/ut/test_c.py::t5" in listed and "tests/ut/test_c.py::t6" in listed
+    assert "test_b.py::t3" not in listed  # fixed on the fork: listed as such, not here
+
+
+def test_each_base_s_results_have_a_folder_of_their_own(tmp_path):
+    class Cfg:
+        build_dir = tmp_path / "build"
+
+    pin, final = suite.results_dir(Cfg, "1.0.0rc1"), suite.results_dir(Cfg, "0.9.0.post1")
+    assert pin != final and pin.parent == final.parent == suite.results_dir(Cfg)
+    Cfg.build_dir.mkdir()
+    (Cfg.build_dir / "test-results").write_text("a file in the way\n")
+    with pytest.raises(BadInput, match="is not a directory"):
+        suite.results_dir(Cfg, "1.0.0rc1")
+    assert (Cfg.build_dir / "test-results").read_text() == "a file in the way\n"
+
+
 def test_new_fork_tests_are_listed_with_their_outcome():
     fork = dict(BASE, **_results(test_new__n1="passed", test_new__n2="failed"))
     cmp = results.compare(BASE, fork, ["tests/ut/test_new.py"])

@@ -245,7 +245,7 @@ def ensure(
     base = read_base(base_tree, version)
     say(
         f"base vllm-ascend {version}: vLLM {base.vllm} (from {base.vllm_from}); "
-        f"{base.transformers or 'no transformers pin'} (its requirements.txt); {recipe.TORCH} CPU"
+        f"{base.transformers or 'no transformers pin'} (its requirements.txt); {recipe.TORCH}"
         + (
             f" (the base pins {base.torch_pin} for torch-npu)"
             if base.torch_pin and base.torch_pin != recipe.TORCH

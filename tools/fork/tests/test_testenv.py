@@ -256,3 +256,100 @@ def test_the_torchvision_shim_loads_where_a_sitecustomize_shadows_the_venvs(tmp_
     )
     out = subprocess.check_output([str(python), "-c", probe], env={**os.environ, "PYTHONPATH": str(shadow)}, text=True)
     assert out.split() == [str(shadow / "sitecustomize.py"), "True"]
+
+
+# --- the torchvision shim beside either torch build, and a failed check's message ----------------
+
+REPO = Path(__file__).resolve().parents[3]
+TV_INIT = "import torch\nfrom . import extension\nfrom torchvision import _meta_registrations\n__version__ = '0.0'\n"
+# torchvision's C++ extension, where it loads: it defines the namespace's schemas (as TORCH_LIBRARY does).
+TV_EXTENSION_LOADS = (
+    "import torch\n_lib = torch.library.Library('torchvision', 'DEF')\n"
+    "_lib.define('nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')\n"
+    "_lib.define('qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor')\n"
+)
+TV_EXTENSION_FAILS = "_lib = None  # the C++ extension was built for another torch: nothing registered\n"
+TV_META = (
+    "import torch\n"
+    "for _op in ('nms', 'qnms'):\n"
+    "    torch.library.register_fake('torchvision::' + _op)(lambda dets, scores, iou: dets.new_empty(0))\n"
+)
+
+
+def _python_with_torch() -> Path | None:
+    """A Python with torch: this one (the tooling's tests run in the test environment under `test`),
+    else the test environment's; None without either."""
+    for python in (Path(sys.executable), REPO / "build" / "testenv" / "venv" / "bin" / "python"):
+        if python.exists() and subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0:
+            return python
+    return None
+
+
+def _fake_torchvision(root: Path, extension: str) -> Path:
+    pkg = root / "torchvision"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(TV_INIT)
+    (pkg / "extension.py").write_text(extension)
+    (pkg / "_meta_registrations.py").write_text(TV_META)
+    return root
+
+
+@pytest.mark.parametrize("extension_loads", [True, False], ids=["extension-loads", "extension-fails"])
+def test_the_shim_defines_torchvision_s_schemas_only_where_its_extension_has_not(tmp_path, extension_loads):
+    """Beside the CUDA torch the registry's torchvision loads its extension, which defines nms/qnms: the
+    shim must not define them again (that aborts the import). Beside the CPU torch it does not load: the
+    shim must define them, or registering their fake kernels fails."""
+    python = _python_with_torch()
+    if python is None:
+        pytest.skip("no Python with torch here (the test environment runs this test under `test`)")
+    site = subprocess.check_output(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True
+    ).strip()
+    fake = _fake_torchvision(tmp_path / "fake", TV_EXTENSION_LOADS if extension_loads else TV_EXTENSION_FAILS)
+    shim_dir = tmp_path / "shim"
+    shim_dir.mkdir()
+    testenv.install_torchvision_shim(shim_dir)
+    probe = (
+        f"import {base_recipe.TORCHVISION_SHIM_MODULE} as shim, torchvision, torch\n"
+        "assert torchvision.__file__.startswith(%r), torchvision.__file__\n"
+        "print(len(shim._TorchvisionCpuShim.libs), torch.ops.torchvision.nms.default._schema)\n" % str(fake)
+    )
+    # -S: none of the environment's own .pth files (its installed shim); the fake torchvision first.
+    env = {**venvs.run_env(None), "PYTHONPATH": os.pathsep.join([str(fake), str(shim_dir), site])}
+    proc = subprocess.run([str(python), "-S", "-c", probe], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    defined_by_shim, schema = proc.stdout.split(" ", 1)
+    assert defined_by_shim == ("0" if extension_loads else "1"), proc.stdout
+    assert schema.startswith("torchvision::nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+
+CPP_TRACE = (
+    "Only a single TORCH_LIBRARY can be used to register the namespace torchvision; please put all of your "
+    "definitions in a single TORCH_LIBRARY block.\nException raised from registerLibrary at "
+    "../aten/src/ATen/core/dispatch/Dispatcher.cpp:230 (most recent call first):\n"
+    + "".join(f"frame #{i}: c10::Error::Error(c10::SourceLocation, std::string) + 0x{i:x}\n" for i in range(40))
+)
+
+
+def test_a_failed_check_says_its_cause_in_two_lines_not_a_cpp_trace(tmp_path):
+    """The venv's check, run on stand-ins (a CUDA torch, a torchvision whose import raises with a C++
+    trace): the message names what failed and why, where the output is, and what to set."""
+    mods = tmp_path / "mods"
+    (mods / "torch").mkdir(parents=True)
+    (mods / "torch" / "__init__.py").write_text("__version__ = '2.13.0'\nclass version:\n    cuda = '13.0'\n")
+    (mods / "torchvision").mkdir()
+    (mods / "torchvision" / "__init__.py").write_text(f"raise RuntimeError({CPP_TRACE!r})\n")
+    env = {**venvs.run_env(None), "PYTHONPATH": str(mods)}
+    proc = subprocess.run([sys.executable, "-S", "-c", testenv.CHECK], env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "frame #39" in proc.stderr  # the stand-in fails as the real one did
+    log = tmp_path / "build.log"
+    message = testenv.check_failure(proc.returncode, proc.stdout, proc.stderr, log)
+    lines = message.splitlines()
+    assert len(lines) == 2, message
+    assert lines[0].startswith("test env: the built venv fails importing torchvision: RuntimeError: Only a single")
+    assert "frame #" not in message and str(log) in lines[1] and "PIP_FIND_LINKS=" in lines[1]
+
+
+def test_a_check_that_dies_names_the_import_it_died_in():
+    message = testenv.check_failure(-6, "importing torch\nimporting torchvision\n", "", Path("/x/build.log"))
+    assert message.splitlines()[0] == "test env: the built venv fails importing torchvision: killed by signal 6"

@@ -58,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = _Parser(
-        prog="python -m tools.fork",
+        prog="python3 -m tools.fork",
         description="Materialize, check, export, build, test, rebase, deploy and upstream the fork's patch series.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,

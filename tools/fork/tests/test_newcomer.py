@@ -65,8 +65,8 @@ def test_apply_checks_a_named_sdist_even_when_up_to_date(fork_with_patch, tmp_pa
 def test_wrong_option_shows_the_verbs_own_usage(fork, verb):
     proc = fork.run(verb, "--no-such-option", check=False)
     assert proc.returncode == 2
-    assert f"usage: python -m tools.fork {verb}" in proc.stderr
-    assert f"python -m tools.fork {verb}: error: " in proc.stderr
+    assert f"usage: python3 -m tools.fork {verb}" in proc.stderr
+    assert f"python3 -m tools.fork {verb}: error: " in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

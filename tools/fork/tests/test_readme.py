@@ -48,7 +48,7 @@ RULES = [
     Rule(r"^podman ", skip="the image build has a CI step of its own (`make image`, .ci/image.sh)"),
     Rule(r"^pytest tests/e2e/", skip="op tests on an Ascend NPU (`test` runs them under the Triton interpreter)"),
     Rule(r"benchmarks/copy_paths\.py", skip="the NPU benchmark run"),
-    Rule(r"^pip install --no-deps dist/", skip="installs the wheel over an image's vllm-ascend"),
+    Rule(r"^python3 -m pip install --no-deps dist/", skip="installs the wheel over an image's vllm-ascend"),
     # another release would be downloaded: the same command onto the pin is refused at once
     Rule(r"rebase --onto \S+", replace=(r"--onto \S+", "--onto {pin}"), ok=(2,)),
     Rule(r"rebase --(continue|abort)", ok=(2,)),  # nothing in progress: refused in one line
@@ -115,7 +115,7 @@ def plain_python() -> Path:
 
 def _bin(dest: Path, python: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("python", "python3"):
+    for name in ("python3",):  # no `python`: Debian's python3 has none (the README must not need it)
         # a wrapper, not a symlink: a venv's Python is a venv only when run by its own path
         (dest / name).write_text(f'#!/bin/sh\nexec "{python}" "$@"\n')
         (dest / name).chmod(0o755)
@@ -157,6 +157,28 @@ def run_commands(commands: list[tuple[str, tuple[int, ...]]], cwd: Path, env: di
         results.append((cmd, int(m.group(1)) if m else -1, body))
     assert "Traceback" not in output, output[-4000:]
     return results
+
+
+# A bare `python` command (not python3, not a venv's bin/python): absent where only python3 is installed.
+BARE_PYTHON = re.compile(r"(?:^|[\s`(;&|])python(?=\s)")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "CONTRIBUTING.md", "docs", "tools/kernel_harness/README.md"])
+def test_documented_commands_need_no_bare_python(doc):
+    """Every command the docs give runs where `python3` is the only Python command."""
+    files = sorted((REPO / doc).glob("*.md")) if (REPO / doc).is_dir() else [REPO / doc]
+    found = [
+        f"{f.relative_to(REPO)}:{n}: {line.strip()}"
+        for f in files
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if BARE_PYTHON.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_bare_python_pattern():
+    assert BARE_PYTHON.search("    python -m tools.fork apply") and BARE_PYTHON.search("(`python -m x`)")
+    assert not BARE_PYTHON.search("python3 -m x build/tools-venv/bin/python -m x the Python package")
 
 
 def test_readme_blocks_are_found():

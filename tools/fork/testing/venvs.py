@@ -58,10 +58,19 @@ def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, what: str, say
         proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     dt = time.monotonic() - t0
     if proc.returncode != 0:
-        tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-25:])
-        raise ForkError(f"test env: {what} failed (exit {proc.returncode}, log {log}):\n    {tail}")
+        raise ForkError(f"test env: {what} failed (exit {proc.returncode}): {step_error(log)}\n  whole output: {log}")
     say(f"  {what}: {dt:.1f} s")
     return dt
+
+
+def step_error(log: Path) -> str:
+    """The cause of a failed step in one line: pip's own ERROR lines of the step's output (its
+    last command in `log`), else that output's last line; not a build's or a C++ trace's tail."""
+    out = log.read_text(errors="replace").rsplit("\n$ ", 1)[-1].splitlines()[1:]
+    lines = [ln.strip() for ln in out if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR: ")]
+    cause = " / ".join(errors[:2]) if errors else (lines[-1] if lines else "(no output)")
+    return cause if len(cause) <= 400 else cause[:397] + "..."
 
 
 def create(venv: Path, *, log: Path, say=say) -> None:

@@ -353,3 +353,24 @@ def test_a_failed_check_says_its_cause_in_two_lines_not_a_cpp_trace(tmp_path):
 def test_a_check_that_dies_names_the_import_it_died_in():
     message = testenv.check_failure(-6, "importing torch\nimporting torchvision\n", "", Path("/x/build.log"))
     assert message.splitlines()[0] == "test env: the built venv fails importing torchvision: killed by signal 6"
+
+
+def test_a_failed_build_step_says_pip_s_error_in_one_line_and_where_the_rest_is(tmp_path):
+    log = tmp_path / "build.log"
+    log.write_text("\n$ earlier step\nERROR: an earlier step's error\n")
+    script = (
+        "import sys\n"
+        "for i in range(60): print(f'  building wheel line {i}')\n"
+        "print('ERROR: Could not find a version that satisfies the requirement torch==2.13.0 (from versions: none)')\n"
+        "print('ERROR: No matching distribution found for torch==2.13.0')\n"
+        "sys.exit(1)\n"
+    )
+    with pytest.raises(ForkError) as exc:
+        venvs.run_logged([sys.executable, "-c", script], env=venvs.run_env(None), log=log, what="install torch==2.13.0")
+    lines = str(exc.value).splitlines()
+    assert lines == [
+        "test env: install torch==2.13.0 failed (exit 1): ERROR: Could not find a version that satisfies the "
+        "requirement torch==2.13.0 (from versions: none) / ERROR: No matching distribution found for torch==2.13.0",
+        f"  whole output: {log}",
+    ]
+    assert "building wheel line 59" in log.read_text()  # all of it kept in the log

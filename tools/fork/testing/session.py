@@ -44,7 +44,7 @@ from tools.fork.testing.suite import (
 
 @dataclass
 class RunOptions:
-    """What to run; the defaults are a plain `python -m tools.fork test` on the pin."""
+    """What to run; the defaults are a plain `python3 -m tools.fork test` on the pin."""
 
     base: str | None = None  # a release version; None: the pin
     sdist: Path | None = None
@@ -100,7 +100,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
         try:
             materialize_tree(version, fork_tree, series.read(cfg, version), source)
         except LocalEdits as exc:
-            raise LocalEdits(f"{exc}\nOr test the edited tree as it is: `python -m tools.fork test --as-is`.") from None
+            raise LocalEdits(f"{exc}\nOr test the edited tree as it is: `python3 -m tools.fork test --as-is`.") from None
         except ApplyFailed as exc:
             if args.kernels_only or args.bisect or args.fork_only:
                 raise
@@ -139,7 +139,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
         print(f"\nfork test: upstream CPU suite on the base {version}: {fmt_counts(c)} ({base_run.seconds:.0f} s)")
         print(
             f"fork test: FAILED: the series does not apply on {version}: {apply_error}\n"
-            f"Move it there with `python -m tools.fork rebase --onto {version}`."
+            f"Move it there with `python3 -m tools.fork rebase --onto {version}`."
         )
         print(f"total: {c['passed']} passed, {c['failed'] + c['error']} failed, {c['skipped'] + c['xfailed']} skipped")
         return EXIT_FAILED

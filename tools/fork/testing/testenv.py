@@ -128,13 +128,19 @@ print(" | ".join("%s %s" % (n, mods[n].__version__) for n in ("torch", "torchvis
 """
 
 
-def installed_version(venv: Path, dist: str) -> str:
-    """The version of the distribution `dist` installed in `venv` (its metadata; nothing imported)."""
+def torch_build(venv: Path) -> tuple[str, int]:
+    """(torch's version, how many nvidia-* distributions came with it) in `venv`, from metadata alone."""
+    probe = (
+        "import importlib.metadata as m\n"
+        "names = [(d.metadata['Name'] or '').lower() for d in m.distributions()]\n"
+        "print(m.version('torch'), sum(n.startswith('nvidia-') for n in names))\n"
+    )
     proc = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+        [str(venv / "bin" / "python"), "-c", probe],
         env=venvs.run_env(venv), capture_output=True, text=True, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    return proc.stdout.strip() or "(unknown version)"
+    version, _, nvidia = proc.stdout.strip().partition(" ")
+    return version or "(unknown version)", int(nvidia or 0)
 
 
 def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
@@ -166,14 +172,14 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     # A local CPU wheel when pip finds one (PIP_FIND_LINKS), else the registry's CUDA build: both run
     # on the CPU; the CUDA one brings its nvidia-* libraries (a few GB per environment).
     run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
-    torch_build = installed_version(venv, "torch")
+    version, nvidia = torch_build(venv)
     say(
-        f"  torch {torch_build}: "
+        f"  torch {version}: "
         + (
-            "the local CPU build"
-            if "+cpu" in torch_build
-            else "the registry's build with its nvidia-* libraries (runs on the CPU; a folder holding the CPU "
+            f"a CUDA build with {nvidia} nvidia-* libraries (it runs on the CPU; a folder holding the CPU "
             "wheel in PIP_FIND_LINKS saves the download)"
+            if nvidia
+            else "no CUDA libraries"
         )
     )
     run_logged(

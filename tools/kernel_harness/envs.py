@@ -16,12 +16,22 @@ import sys
 from pathlib import Path
 
 from tools.fork.testing import venvs
-from tools.fork.testing.base_recipe import TORCH  # the CPU wheel this machine holds locally
+from tools.fork.testing.base_recipe import TORCH  # the local CPU wheel where pip finds one, else the registry's
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = {
     # pybind11 is an undeclared runtime dependency of triton-ascend 3.2.0; its interpreter needs numpy<2.4.
     "ascend": [TORCH, "triton-ascend==3.2.0", "pybind11", "numpy<2.4"],
+}
+# The registry's torch (a CUDA build, where pip finds no local CPU wheel) requires upstream `triton`,
+# whose files land over triton-ascend's own `triton` package (both install `triton/`): the front end
+# would then be upstream's (seen: "triton-ascend 3.7.1", ASTSource() refusing `constants`). Upstream
+# triton goes, and triton-ascend's files are laid again; with the CPU torch both steps change nothing.
+THEN = {
+    "ascend": (
+        ("uninstall", "-y", "triton"),
+        ("install", "-q", "--no-deps", "--force-reinstall", "triton-ascend==3.2.0"),
+    ),
 }
 DIRS = {"ascend": "ascend-venv"}
 MARKER = ".kernel-harness-spec"
@@ -38,7 +48,7 @@ def _say(msg: str) -> None:
 def ensure(name: str, quiet: bool = False) -> Path:
     """Create (or reuse) the venv `name`; returns its python."""
     say = (lambda msg: None) if quiet else _say
-    return venvs.ensure_spec(ROOT / "build" / DIRS[name], SPECS[name], MARKER, say=say)
+    return venvs.ensure_spec(ROOT / "build" / DIRS[name], SPECS[name], MARKER, say=say, then=THEN.get(name, ()))
 
 
 def main(argv=None) -> int:

@@ -100,7 +100,8 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
         try:
             materialize_tree(version, fork_tree, series.read(cfg, version), source)
         except LocalEdits as exc:
-            raise LocalEdits(f"{exc}\nOr test the edited tree as it is: `python3 -m tools.fork test --as-is`.") from None
+            hint = "Or test the edited tree as it is: `python3 -m tools.fork test --as-is`."
+            raise LocalEdits(f"{exc}\n{hint}") from None
         except ApplyFailed as exc:
             if args.kernels_only or args.bisect or args.fork_only:
                 raise

@@ -167,12 +167,14 @@ def build_part(
     return digest, home
 
 
-def ensure_spec(where: Path, spec: list[str], marker: str, say=say) -> Path:
-    """A venv at `where` holding `spec` (pip requirements), recorded in `where/marker`: an unchanged
-    list installs nothing again. Returns its Python. The log of its steps is `where/../<name>.log`."""
+def ensure_spec(where: Path, spec: list[str], marker: str, say=say, then: tuple[tuple[str, ...], ...] = ()) -> Path:
+    """A venv at `where` holding `spec` (pip requirements), then `then` run (pip argument lists), all
+    recorded in `where/marker`: an unchanged record installs nothing again. Returns its Python. The
+    log of its steps is `where/../<name>.log`."""
     python = where / "bin" / "python"
     stamp = where / marker
-    if python.exists() and stamp.exists() and json.loads(stamp.read_text()) == spec:
+    record = spec if not then else {"spec": spec, "then": [list(t) for t in then]}
+    if python.exists() and stamp.exists() and json.loads(stamp.read_text()) == record:
         return python
     log = where.with_name(where.name + ".log")
     where.parent.mkdir(parents=True, exist_ok=True)
@@ -182,7 +184,9 @@ def ensure_spec(where: Path, spec: list[str], marker: str, say=say) -> Path:
         create(where, log=log, say=say)
     say(f"installing {' '.join(spec)} into {where}")
     run_logged(pip(where, "install", "-q", *spec), env=run_env(where), log=log, what="pip install", say=say)
-    stamp.write_text(json.dumps(spec))
+    for args in then:
+        run_logged(pip(where, *args), env=run_env(where), log=log, what="pip " + " ".join(args), say=say)
+    stamp.write_text(json.dumps(record))
     return python
 
 

@@ -374,3 +374,22 @@ def test_a_failed_build_step_says_pip_s_error_in_one_line_and_where_the_rest_is(
         f"  whole output: {log}",
     ]
     assert "building wheel line 59" in log.read_text()  # all of it kept in the log
+
+
+def test_ensure_spec_runs_its_then_steps_after_the_install_and_records_them(tmp_path, monkeypatch):
+    where = tmp_path / "ascend-venv"
+    (where / "bin").mkdir(parents=True)
+    (where / "bin" / "python").write_text("")
+    (where / ".spec").write_text(json.dumps(["a==1"]))  # built before the steps existed: built again
+    calls = []
+    monkeypatch.setattr(venvs, "run_logged", lambda cmd, **kw: calls.append(cmd))
+    then = (("uninstall", "-y", "b"), ("install", "--no-deps", "--force-reinstall", "a==1"))
+    venvs.ensure_spec(where, ["a==1"], ".spec", then=then)
+    assert calls == [
+        venvs.pip(where, "install", "-q", "a==1"),
+        venvs.pip(where, "uninstall", "-y", "b"),
+        venvs.pip(where, "install", "--no-deps", "--force-reinstall", "a==1"),
+    ]
+    calls.clear()
+    venvs.ensure_spec(where, ["a==1"], ".spec", then=then)
+    assert calls == [], "unchanged spec and steps: nothing again"

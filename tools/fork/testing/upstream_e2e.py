@@ -19,6 +19,7 @@ cached like the tests/ut ones (per base sha256, environment, selection and harne
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import re
 import subprocess
@@ -155,6 +156,22 @@ def write_junit(results: dict[str, Result], path: Path) -> None:
     path.write_text(ET.tostring(root, encoding="unicode"))
 
 
+def read_junit(junit: Path) -> dict[str, Result]:
+    """parse_junit, with a file's collection error named by its exception line (pytest's message
+    is "collection failure") rather than by pytest's generic message."""
+    text = junit.read_text()
+    results = parse_junit(text)
+    for case in ET.fromstring(text).iter("testcase"):
+        file = case.get("file")
+        if case.get("classname") or not file or file not in results:
+            continue
+        for child in case:
+            lines = [ln[1:].strip() for ln in (child.text or "").splitlines() if ln.startswith("E ")]
+            if child.tag in ("error", "failure") and lines:
+                results[file] = Result(file, results[file].outcome, lines[-1][:200])
+    return results
+
+
 def _run(argv, env, cwd, log: Path) -> tuple[int | None, str]:
     with log.open("w") as f:
         try:
@@ -191,7 +208,7 @@ def run_pass(tenv, root: Path, tree: Path, version: str, label: str, files: list
         raise PassError(f"the run on the {label} ran past {PASS_TIMEOUT_S} s (see {log})")
     if rc not in (0, 1, 5) or not junit.exists():  # 5: nothing collected
         raise PassError(f"pytest could not run the tests on the {label} (exit {rc}; see {log})")
-    return SuiteRun(label, parse_junit(junit.read_text()), dt, log=log, junit=junit)
+    return SuiteRun(label, read_junit(junit), dt, log=log, junit=junit)
 
 
 def import_pass(tenv, tree: Path, version: str, label: str, files: list[str], out: Path) -> SuiteRun:
@@ -207,7 +224,7 @@ def import_pass(tenv, tree: Path, version: str, label: str, files: list[str], ou
     print(f"fork test: [{NAME}: import check, {label}]   {_outcome_line(stdout)} (exit {rc}, {dt:.0f} s)", flush=True)
     if rc is None or not junit.exists():
         raise PassError(f"pytest could not collect the tests on the {label} (exit {rc}; see {log})")
-    results = {**collected(stdout, files), **parse_junit(junit.read_text())}  # junit: the collection errors
+    results = {**collected(stdout, files), **read_junit(junit)}  # junit: the collection errors
     write_junit(results, junit)
     return SuiteRun(label, results, dt, log=log, junit=junit)
 
@@ -224,6 +241,7 @@ class Outcome:
     imports: object = None  # results.Comparison of the import check
     import_only: dict[str, list[str]] | None = None  # file -> its test ids that do not pass on the base
     fork_import_errors: list = field(default_factory=list)  # (file, why): without base results
+    broken_files: dict[str, str] = field(default_factory=dict)  # file collected on the base, not on the fork: why
 
 
 def import_checked_only(base_run: dict[str, Result], base_imports: dict[str, Result]) -> dict[str, list[str]]:
@@ -306,15 +324,31 @@ def judge(files, base_run, base_imports, fork_run, fork_imports, version: str) -
     outcome.run = compare(base_run.results, fork_run.results, [])
     outcome.import_only = import_checked_only(base_run.results, base_imports.results)
     print_side_by_side(base_run, fork_run, version, title=f"upstream's {E2E_DIR} tests of the changed modules, run")
-    print_comparison(outcome.run, True)
-    if outcome.imports.regressions or outcome.imports.lost:
-        print(f"\nimport check: collected on the base {version}, NOT on the fork:")
-        for tid, o in outcome.imports.regressions:
-            print(f"  {tid}: {o}")
-        for tid in outcome.imports.lost[:50]:
-            print(f"  {tid}")
-        if len(outcome.imports.lost) > 50:
-            print(f"  ... and {len(outcome.imports.lost) - 50} more")
+    # A file that no longer imports on the fork loses all its tests: named once, with its error.
+    broken = {tid: r.message for tid, r in fork_imports.results.items() if r.outcome != "passed"}
+    collected_on_base = {r.file for r in base_imports.results.values() if r.outcome == "passed"}
+    outcome.broken_files = {f: why for f, why in sorted(broken.items()) if f in collected_on_base}
+    lost = Counter(Result(tid, "passed").file for tid in outcome.run.lost)
+    bad = outcome.broken_files
+    shown = dataclasses.replace(
+        outcome.run,
+        lost=[t for t in outcome.run.lost if Result(t, "").file not in bad],
+        new=[r for r in outcome.run.new if r.id not in bad],  # the broken file's own error entry
+    )
+    print_comparison(shown, True)
+    gone = Counter(Result(tid, "").file for tid in outcome.imports.lost)
+    if gone:
+        print(f"\nfiles collected on the base {version}, NOT (all) on the fork:")
+        for f in sorted(gone):
+            why = f"does not import: {bad[f]}" if f in bad else "some of its tests are no longer collected"
+            print(f"  {f}: {why} ({gone[f]} test(s) collected on the base, {lost[f]} of them pass there)")
+        for tid in [t for t in outcome.imports.lost if Result(t, "").file not in bad][:50]:
+            print(f"  {tid}: not collected on the fork")
+    unchecked = {f: r.message for f, r in base_imports.results.items() if r.outcome != "passed"}
+    if unchecked:
+        print("\nnot checked:")
+        for f, why in sorted(unchecked.items()):
+            print(f"  {f}: does not import on the base {version} either ({why})")
     if outcome.import_only:
         print(f"\nimport-checked only (they do not pass on the base {version} under the interpreter):")
         for f, ids in outcome.import_only.items():
@@ -324,16 +358,20 @@ def judge(files, base_run, base_imports, fork_run, fork_imports, version: str) -
 
 
 def problems(outcome: Outcome) -> list[str]:
-    out = []
+    """Why the step fails: files that no longer import (named), then tests lost or regressed."""
+    out = [f"{f.rsplit('/', 1)[-1]} does not import on the fork ({why})" for f, why in outcome.broken_files.items()]
+    broken = set(outcome.broken_files)
     if outcome.run is not None:
         if outcome.run.regressions:
             out.append(f"{len(outcome.run.regressions)} pass on the base and not on the fork")
-        if outcome.run.lost:
-            out.append(f"{len(outcome.run.lost)} pass on the base and are missing from the fork")
+        lost = [t for t in outcome.run.lost if Result(t, "").file not in broken]
+        if lost:
+            out.append(f"{len(lost)} pass on the base and are missing from the fork")
     if outcome.imports is not None:
-        bad = len(outcome.imports.regressions) + len(outcome.imports.lost)
-        if bad:
-            out.append(f"{bad} collected on the base and not on the fork")
+        ids = [t for t, _ in outcome.imports.regressions] + outcome.imports.lost
+        gone = [t for t in ids if Result(t, "").file not in broken]
+        if gone:
+            out.append(f"{len(gone)} collected on the base and not on the fork")
     if outcome.fork_import_errors:  # no base results: every file must import on the fork
         out.append(f"{len(outcome.fork_import_errors)} file(s) do not import on the fork")
     return out

@@ -91,11 +91,11 @@ def git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True, env=GIT_ENV).stdout
 
 
-def make_series(tmp: Path, edits: dict[str, str | None]) -> tuple[Path, Path, list[Patch]]:
-    """(base tree, fork tree, the series as format-patch files) for the fork = BASE + `edits`."""
+def make_series(tmp: Path, edits: dict[str, str | None], extra=None) -> tuple[Path, Path, list[Patch]]:
+    """(base tree, fork tree, the series as format-patch files) for base = BASE + `extra`, fork = base + `edits`."""
     base, fork = tmp / "base", tmp / "fork"
-    write(base, BASE)
-    write(fork, BASE)
+    write(base, {**BASE, **(extra or {})})
+    write(fork, {**BASE, **(extra or {})})
     git(fork, "init", "-q")
     git(fork, "add", "-A")
     git(fork, "commit", "-q", "-m", "upstream")
@@ -137,8 +137,8 @@ def harness(tmp_path, monkeypatch):
     monkeypatch.setattr(upstream_e2e, "import_command", import_command)
     monkeypatch.setattr(testenv, "install_tree", lambda tenv_, tree, version: None)
 
-    def step(edits, *, added=(), fork_only=False):
-        base, fork, patches = make_series(tmp_path / f"s{len(calls)}", edits)
+    def step(edits, *, added=(), fork_only=False, extra=None):
+        base, fork, patches = make_series(tmp_path / f"s{len(calls)}", edits, extra)
         cfg = SimpleNamespace(root=tmp_path, build_dir=tmp_path / "build")
         return upstream_e2e.upstream_e2e_step(
             cfg, tenv, version="1.0.0", base_sha256="ab" * 32, base_tree=base, fork_tree=fork,
@@ -205,10 +205,12 @@ def test_deleting_a_function_an_upstream_test_imports_fails_the_step(harness, ca
     step = harness.step({"vllm_ascend/ops/kern.py": KERN.replace("def helper(x):\n    return x + 1\n\n\n", "")})
     out = capsys.readouterr().out
     assert step.failed
-    assert "3 pass on the base and are missing from the fork" in step.detail
-    assert "collected on the base and not on the fork" in step.detail
-    assert f"{E2E_FILE}::test_main" in out  # named
-    assert f"{E2E_FILE}::test_helper[1]" in out
+    # the file is named with its import error, once, not as 3 lost tests and 4 uncollected ones
+    assert step.detail.startswith("test_kern.py does not import on the fork (ImportError: cannot import name 'helper'")
+    assert "missing from the fork" not in step.detail and "collected on the base and not" not in step.detail
+    assert f"{E2E_FILE}: does not import: ImportError: cannot import name 'helper'" in out
+    assert "(4 test(s) collected on the base, 3 of them pass there)" in out
+    assert step.counts["error"] == 3  # the three that passed on the base
 
 
 def test_a_test_that_passes_on_the_base_and_fails_on_the_fork_fails_the_step(harness, capsys):
@@ -224,8 +226,22 @@ def test_an_import_checked_only_file_that_no_longer_imports_fails_the_step(harne
     step = harness.step({"vllm_ascend/ops/kern.py": KERN.replace("def npu_helper(x):\n    return x * 2\n\n\n", "")})
     out = capsys.readouterr().out
     assert step.failed
-    assert step.detail.startswith("1 collected on the base and not on the fork"), step.detail
-    assert f"{NPU_FILE}::test_on_npu" in out
+    assert step.detail.startswith("test_kern_on_npu.py does not import on the fork (ImportError: cannot import name")
+    assert f"{NPU_FILE}: does not import" in out and "(1 test(s) collected on the base, 0 of them pass there)" in out
+    assert step.counts["passed"] == 3 and not step.counts["error"]  # the tests that run are unaffected
+
+
+def test_a_file_that_does_not_import_on_the_base_either_is_no_loss(harness, capsys):
+    broken = "from vllm_ascend.ops.kern import main\nimport module_nobody_has\n\n\ndef test_x():\n    pass\n"
+    step = harness.step(
+        {"vllm_ascend/ops/kern.py": KERN + "\n"}, extra={"tests/e2e/nightly/ops/test_broken_upstream.py": broken}
+    )
+    assert step.status == "passed", step.detail
+    out = capsys.readouterr().out
+    assert (
+        "tests/e2e/nightly/ops/test_broken_upstream.py: does not import on the base 1.0.0 either "
+        "(ModuleNotFoundError: No module named 'module_nobody_has')" in out
+    )
 
 
 def test_base_results_are_cached(harness):

@@ -280,3 +280,11 @@ def test_import_results_round_trip_through_junit(tmp_path):
     }
     upstream_e2e.write_junit(results, tmp_path / "j.xml")
     assert parse_junit((tmp_path / "j.xml").read_text()) == results
+
+
+def test_a_series_that_deletes_upstream_tests_loses_them(harness):
+    step = harness.step({"vllm_ascend/ops/kern.py": KERN + "\n", E2E_FILE: None, NPU_FILE: None})
+    assert step.failed
+    assert "3 pass on the base and are missing from the fork" in step.detail
+    assert "5 collected on the base and not on the fork" in step.detail
+    assert ("run", "fork") not in harness.calls  # no file left to run: nothing else of the tree is collected

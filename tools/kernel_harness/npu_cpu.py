@@ -2,9 +2,8 @@
 
 Upstream's Triton op tests under `tests/e2e/nightly/single_node/ops/singlecard_ops/triton/` are
 written for an NPU: `torch.npu.is_available()` guards, `device="npu"` / `torch.device("npu:0")`,
-`torch.npu.synchronize()`, `torch.npu.NPUGraph`, sometimes `import torch_npu`. `install()` makes
-those work on CPU tensors without editing the tests, so the kernels they call run under the
-Triton interpreter:
+`torch.npu.synchronize()`, `torch.npu.NPUGraph`. `install()` makes those work on CPU tensors
+without editing the tests, so the kernels they call run under the Triton interpreter:
 
 - the PrivateUse1 backend is named `npu`, so `torch.device("npu:0")` parses;
 - a torch function mode rewrites every `npu` device a torch function is given (factory functions'
@@ -13,9 +12,10 @@ Triton interpreter:
   and the memory-statistics resets do nothing, `manual_seed*` seed the CPU generator, and
   `NPUGraph` / `graph` record the Triton launches made inside `with torch.npu.graph(g):` and run
   them again on `g.replay()` (as a device graph does; torch ops inside the block run at once);
-- `import torch_npu` gives a module whose `npu` is that `torch.npu`; anything else it is asked
-  for (`torch_npu.npu_format_cast`, ...) raises AttributeError naming this shim, so a test that
-  needs a real NPU operator fails on the base as well, and `test` import-checks it only.
+- `torch_npu` is left out on purpose: a `torch_npu` that imports makes transformers and vLLM take
+  their NPU paths (`from torch_npu import npu_fusion_attention`) and `import vllm` fails. A test
+  that imports torch_npu (for its NPU operators) fails on the base as well, and `test`
+  import-checks it only (in upstream's CPU set-up, whose tests/ut/conftest.py stubs torch_npu).
 
 `torch.accelerator` keeps answering for the CPU (no accelerator), except `synchronize()`, which
 does nothing. Nothing here runs unless asked for: `--npu-on-cpu` (tools/kernel_harness/plugin.py).

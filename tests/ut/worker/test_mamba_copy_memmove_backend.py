@@ -65,13 +65,16 @@ def memmove_oracle(pool: np.ndarray, pairs) -> np.ndarray:
 def make_copy_bufs(pool: torch.Tensor, layers=LAYERS):
     """MambaCopyBuffers as the collector leaves them: pointer tables (and, per layer, their rows)."""
     base = pool.data_ptr()
-    tables = [CpuGpuBuffer(16, dtype=d, device=torch.device("cpu"), pin_memory=False) for d in (torch.int64,) * 2]
-    tables.append(CpuGpuBuffer(16, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False))
-    rows = [(base + s, base + d, n) for pairs in layers.values() for s, d, n in pairs]
+    dtypes = (torch.int64, torch.int64, torch.int32)
+    tables = [CpuGpuBuffer(16, dtype=dtype, device=torch.device("cpu"), pin_memory=False) for dtype in dtypes]
+    metadata = {
+        name: ([base + s for s, _, _ in p], [base + d for _, d, _ in p], [n for *_, n in p])
+        for name, p in layers.items()
+    }
+    rows = [row for columns in metadata.values() for row in zip(*columns)]
     for i, row in enumerate(rows):
         for table, value in zip(tables, row):
             table.np[i] = value
-    metadata = {name: tuple(list(c) for c in zip(*[(base + s, base + d, n) for s, d, n in p])) for name, p in layers.items()}
     return SimpleNamespace(
         src_ptrs=tables[0],
         dst_ptrs=tables[1],

@@ -70,12 +70,14 @@ def run_step(
 
 
 def kernel_test_command(tenv: testenv.TestEnv, root: Path, tree: Path, files: list[str], junit: Path):
-    """The kernel op tests' command: its own process, the Triton interpreter, the harness plugin.
+    """The kernel op tests' command: its own process, the Triton interpreter, the harness plugin, and
+    the NPU mapped to the CPU (`--npu-on-cpu`): the op tests are written for an NPU, as upstream's are.
 
     Returns (argv, env, cwd). Adjust here when tools/kernel_harness changes its interface.
     """
     argv = [
         str(tenv.python), "-m", "pytest", "-q", "-rfE", "--noconftest", "-p", "tools.kernel_harness.plugin",
+        "--npu-on-cpu",
         "-p", "no:cacheprovider", "-o", JUNIT_FAMILY, f"--junitxml={junit}", f"--rootdir={tree}",
         f"--kernel-tree={tree}", *(str(tree / f) for f in files),
     ]  # fmt: skip

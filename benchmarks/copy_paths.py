@@ -7,7 +7,8 @@
 Backends (one batch = every copy of one align-mode step):
   unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
-  memmove      batch_memmove (this fork): overlap-safe, tiled, one launch
+  memmove      batch_memmove_kernel (this fork): overlap-safe, one launch, with this benchmark's GPU
+               parameters (benchmarks/common.py: MEMMOVE_BLOCK, MEMMOVE_TILES)
   torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
                imported from the tree): every request recorded as the collector records it (a few
                block ids), then per storage (a layer's raw tensor, or a pool of its own) one
@@ -15,7 +16,8 @@ Backends (one batch = every copy of one align-mode step):
                (the step recorded outside the timed call, as torch_clone's pairs are built outside it)
   torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
-Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
+Extra rows: unguarded_b1024; with --sweep memmove_b<B>_t<T>_w<W> (block/tile/warps) and
+memmove_product (vllm-ascend's launcher batch_memmove with its own defaults).
 
 Shapes per layer (36 layers): one conv state of 3 rows x 16 KiB (bf16, dim 8192) and one
 2 MiB fp32 temporal state. Two memory layouts, both in every run (`layout` in each record):
@@ -196,8 +198,8 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
         "unguarded": (pointer(memcpy, 8192), {"block": 8192}),
         "left_guard": (pointer(left_guard, 1024), {"block": 1024}),
         "memmove": (
-            memmove_cfg(mm.DEFAULT_BLOCK_SIZE, mm.DEFAULT_TILES),
-            {"block": mm.DEFAULT_BLOCK_SIZE, "tiles": mm.DEFAULT_TILES},
+            memmove_cfg(common.MEMMOVE_BLOCK, common.MEMMOVE_TILES),
+            {"block": common.MEMMOVE_BLOCK, "tiles": common.MEMMOVE_TILES},
         ),
         "torch": (torch_grouped, {"path": "mamba_copy_groups.record + copy", "op_pair": "index_select + index_copy_"}),
         "torch_clone": (torch_clone, {}),
@@ -205,6 +207,11 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
     }
     if sweep and not smoke:
+        # vllm-ascend's launcher as the product calls it (its Ascend defaults), beside the GPU sweep
+        backends["memmove_product"] = (
+            lambda b: mm.batch_memmove(b.src_ptrs, b.dst_ptrs, b.sizes),
+            {"block": mm.BLOCK_SIZE, "tiles": 1},
+        )
         for block, tiles, warps in (
             (8192, 16, 4),
             (8192, 32, 4),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: op tests, stress runs, align-mode trace stress and the benchmark.
 #
-#   bash benchmarks/device_run.sh OUTDIR [tests] [memmove] [groups] [stress] [bench] [trace] [fused_tests] [fused_stress] [fused_bench] [trace_seconds=N]
+#   bash benchmarks/device_run.sh OUTDIR [tests] [memmove] [groups] [stress] [bench] [micro] [trace] [fused_tests] [fused_stress] [fused_bench] [trace_seconds=N]
 #   (BENCH_ARGS: extra copy_paths.py arguments, e.g. --sweep or --backends ...)
 #
 # Run from a tree laid out like this repository (tools/kernel_harness, benchmarks/, the overlay)
@@ -75,6 +75,12 @@ for phase in "${PHASES[@]}"; do
             timeout 400 $PY benchmarks/copy_paths.py ${BENCH_ARGS:-} --json "$OUT/copy_paths.json" \
                 --png "$OUT/copy_paths.png" >"$OUT/copy_paths.log" 2>&1 || status=1
             grep -v '^host' "$OUT/copy_paths.log" | tail -40
+            ;;
+        micro)
+            # The torch ops a grouped copy is built from: view building, one multi-tensor copy, row-index ops.
+            timeout 200 $PY benchmarks/copy_ops_micro.py --json "$OUT/copy_ops_micro.json" >"$OUT/copy_ops_micro.log" 2>&1 \
+                || status=1
+            tail -4 "$OUT/copy_ops_micro.log"
             ;;
         trace)
             timeout $((TRACE_SECONDS + 120)) $PY benchmarks/align_trace_stress.py --seconds "$TRACE_SECONDS" \

@@ -7,15 +7,22 @@
 Backends (one batch = every copy of one align-mode step):
   unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
-  memmove      batch_memmove (this fork): overlap-safe, tiled, one launch
+  memmove      batch_memmove_kernel (this fork): overlap-safe, one launch, with this benchmark's GPU
+               parameters (benchmarks/common.py: MEMMOVE_BLOCK, MEMMOVE_TILES)
   torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
                imported from the tree): every request recorded as the collector records it (a few
-               block ids), then per storage (a layer's raw tensor, or a pool of its own) one
-               index_select of all source rows and one index_copy_ into the destination rows
-               (the step recorded outside the timed call, as torch_clone's pairs are built outside it)
+               block ids; the step recorded outside the timed call, as torch_clone's pairs are built
+               outside it), then copied by the strategy the module picks for the step's size
+  torch_direct   the same module, every step copied directly: one multi-tensor copy of
+               (source, destination) views, self-overlapping sources staged first
+  torch_indexed  the same module, every step by row indices per storage: index_select into a
+               buffer of at most GATHER_BYTES, then index_copy_, chunk by chunk
+  torch_uncapped the row-index path without the cap (one gather per storage, as before the cap)
+  torch_<name>   --compare-groups NAME=PATH: another mamba_copy_groups.py (e.g. an earlier version)
   torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
-Extra rows: unguarded_b1024, memmove_b<B>_t<T> (block/tile sweep).
+Extra rows: unguarded_b1024; with --sweep memmove_b<B>_t<T>_w<W> (block/tile/warps) and
+memmove_product (vllm-ascend's launcher batch_memmove with its own defaults).
 
 Shapes per layer (36 layers): one conv state of 3 rows x 16 KiB (bf16, dim 8192) and one
 2 MiB fp32 temporal state. Two memory layouts, both in every run (`layout` in each record):
@@ -40,7 +47,7 @@ grouped path's recording of a step (`mamba_copy_groups.record`, the real code) o
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib.util
 import json
 import statistics
 import sys
@@ -146,7 +153,9 @@ class Batch:
                   for i, p in enumerate(self.pools)]  # fmt: skip
         bufs = types.SimpleNamespace()
         for table, src_idx, dest_idx, bias in self.requests:
-            assert mcg.record(bufs, lambda: layers, [0], src_idx, dest_idx, bias, types.SimpleNamespace(block_ids=[table]))
+            assert mcg.record(
+                bufs, lambda: layers, [0], src_idx, dest_idx, bias, types.SimpleNamespace(block_ids=[table])
+            )
         recorded = bufs._mamba_copy_requests
 
         def step():
@@ -159,7 +168,17 @@ class Batch:
         return [(s.clone(), d) for s, d in self.views]
 
 
-def make_backends(kernels, torch, smoke: bool, sweep: bool):
+def copy_groups_variant(path, name, **constants):
+    """A private copy of a mamba_copy_groups module (its own constants), loaded from `path`."""
+    spec = importlib.util.spec_from_file_location(f"_copy_groups_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for key, value in constants.items():
+        setattr(module, key, value)
+    return module
+
+
+def make_backends(kernels, torch, smoke: bool, sweep: bool, compare_groups=()):
     memcpy = kernels["batch_memcpy_kernel"]
     memmove = kernels["batch_memmove"]
     left_guard = left_guard_kernel_factory()
@@ -178,10 +197,31 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
 
     mcg, specs = kernels["copy_groups"], kernels["copy_specs"]
 
-    def torch_grouped(b):
-        if getattr(b, "step", None) is None:
-            b.step = b.grouped_step(mcg, specs)
-        b.step()
+    def grouped(module, name):
+        def run(b):
+            steps = b.__dict__.setdefault("steps", {})
+            if name not in steps:
+                steps[name] = b.grouped_step(module, specs)
+            steps[name]()
+
+        return run
+
+    variants = {
+        "torch_direct": {"DIRECT_PAIRS_PER_STORAGE": 1 << 62},
+        "torch_indexed": {"DIRECT_PAIRS_PER_STORAGE": 0},
+        "torch_uncapped": {"DIRECT_PAIRS_PER_STORAGE": 0, "GATHER_BYTES": 1 << 62},
+    }
+    groups = {
+        "torch": (grouped(mcg, "torch"), {"path": "mamba_copy_groups.record + copy"}),
+        **{
+            name: (grouped(copy_groups_variant(mcg.__file__, name, **consts), name), consts)
+            for name, consts in variants.items()
+        },
+        **{
+            f"torch_{name}": (grouped(copy_groups_variant(path, name), f"torch_{name}"), {"path": path})
+            for name, path in (item.split("=", 1) for item in compare_groups)
+        },
+    }
 
     def torch_clone(b):
         for s, d in b.views:
@@ -196,15 +236,20 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool):
         "unguarded": (pointer(memcpy, 8192), {"block": 8192}),
         "left_guard": (pointer(left_guard, 1024), {"block": 1024}),
         "memmove": (
-            memmove_cfg(mm.DEFAULT_BLOCK_SIZE, mm.DEFAULT_TILES),
-            {"block": mm.DEFAULT_BLOCK_SIZE, "tiles": mm.DEFAULT_TILES},
+            memmove_cfg(common.MEMMOVE_BLOCK, common.MEMMOVE_TILES),
+            {"block": common.MEMMOVE_BLOCK, "tiles": common.MEMMOVE_TILES},
         ),
-        "torch": (torch_grouped, {"path": "mamba_copy_groups.record + copy", "op_pair": "index_select + index_copy_"}),
+        **groups,
         "torch_clone": (torch_clone, {}),
         "torch_copy": (torch_copy, {}),
         "unguarded_b1024": (pointer(memcpy, 1024), {"block": 1024}),
     }
     if sweep and not smoke:
+        # vllm-ascend's launcher as the product calls it (its Ascend defaults), beside the GPU sweep
+        backends["memmove_product"] = (
+            lambda b: mm.batch_memmove(b.src_ptrs, b.dst_ptrs, b.sizes),
+            {"block": mm.BLOCK_SIZE, "tiles": 1},
+        )
         for block, tiles, warps in (
             (8192, 16, 4),
             (8192, 32, 4),
@@ -415,7 +460,7 @@ def run(args):
     d2d_bytes = (1 << 20) if smoke else args.d2d_mib << 20
     d2d_gbps, d2d_ms = measure_d2d(torch, device, d2d_bytes, reps)
     print(f"d2d: {d2d_gbps:.1f} GB/s (read+write) over {d2d_bytes >> 20} MiB, {d2d_ms:.3f} ms", flush=True)
-    backends = make_backends(kernels, torch, smoke, args.sweep)
+    backends = make_backends(kernels, torch, smoke, args.sweep, args.compare_groups)
     if args.backends:
         backends = {k: v for k, v in backends.items() if k in args.backends.split(",")}
     records = []
@@ -531,6 +576,9 @@ def main(argv=None):
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="memory layouts, comma-separated")
     parser.add_argument("--sweep", action="store_true", help="also time memmove block/tile variants")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    parser.add_argument(
+        "--compare-groups", action="append", default=[], metavar="NAME=PATH", help="time another mamba_copy_groups.py"
+    )
     parser.add_argument("--no-host", action="store_true", help="skip the host-side collector cost")
     parser.add_argument("--host-only", action="store_true", help="only the host-side collector cost (64 requests)")
     parser.add_argument("--json", default=None, help="write records here")

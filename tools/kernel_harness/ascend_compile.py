@@ -93,7 +93,7 @@ RELEASE_DEPENDENT = {"v2/mamba/precopy.py"}
 
 # (label, module under vllm_ascend/ops/triton, kernel, signature, constexprs)
 KERNELS = [
-    ("batch_memmove_kernel", "batch_memmove.py", "batch_memmove_kernel", BATCH_COPY_SIG, {"BLOCK_SIZE": 4096}),
+    ("batch_memmove_kernel", "batch_memmove.py", "batch_memmove_kernel", BATCH_COPY_SIG, {"BLOCK_SIZE": 8192}),
     (
         "postprocess_mamba_fused_kernel",
         "mamba/postprocess.py",

@@ -14,6 +14,8 @@ TRITON_INTERPRET=1) when there is no GPU/NPU, before any kernel is imported;
 `vllm_ascend...` packages pointing at the tree under test so that importing a
 kernel module skips the heavy package `__init__`s. The tree is `--kernel-tree`
 or $KERNEL_TREE (several roots joined with os.pathsep; the first wins).
+With `--npu-on-cpu` (interpreter only) it (d) maps the NPU to the CPU for
+upstream's NPU op tests (`npu_cpu.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def pytest_addoption(parser):
         default=os.environ.get(loader.TREE_ENV),
         help="vllm-ascend tree(s) whose kernels are tested (os.pathsep-separated; default $KERNEL_TREE)",
     )
+    group.addoption(
+        "--npu-on-cpu",
+        action="store_true",
+        help="map the NPU to the CPU (torch.npu, device 'npu', torch_npu) for upstream's NPU op tests "
+        "under the interpreter (tools/kernel_harness/npu_cpu.py)",
+    )
 
 
 def pytest_configure(config):
@@ -38,6 +46,16 @@ def pytest_configure(config):
         info = loader.setup(roots)
     except loader.HarnessError as exc:
         raise SystemExit(f"kernel_harness: {exc}") from exc
+    if config.getoption("--npu-on-cpu"):
+        if not info["interpreter"]:
+            raise SystemExit("kernel_harness: --npu-on-cpu runs the kernels under the Triton interpreter only")
+        from tools.kernel_harness import npu_cpu
+
+        try:
+            npu_cpu.install()
+        except RuntimeError as exc:
+            raise SystemExit(f"kernel_harness: {exc}") from exc
+        info["npu"] = "mapped to the CPU (--npu-on-cpu)"
     config._kernel_harness_info = info
     # The interpreter converts 1-element arrays with int() on every scalar use.
     config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -52,5 +70,5 @@ def pytest_report_header(config):
     mode = "interpreter (TRITON_INTERPRET=1)" if info["interpreter"] else "device"
     return (
         f"kernel_harness: tree={os.pathsep.join(info['roots'])} triton={triton.__version__} "
-        f"mode={mode} vllm.triton_utils={info['triton_utils']}"
+        f"mode={mode} vllm.triton_utils={info['triton_utils']}" + (f" npu={info['npu']}" if "npu" in info else "")
     )

@@ -14,15 +14,13 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 #
-"""Host-side validation and the hazard check of the Mamba state copy pointer path.
+"""Host-side checks of Mamba state copy tables (vllm_ascend/worker/mamba_copy_checks.py).
 
 Oracles: a numpy memmove of every pair in pair order, and a brute-force O(n^2)
-conflict check. The pointer kernel is a host model of one launch whose programs
-run in reverse pair order (one legal schedule of an unordered launch, and the
-adversarial one for pair-order semantics).
+conflict check. One launch is modelled by its pairs run in reverse pair order
+(one legal schedule of an unordered launch, and the adversarial one for pair order).
 """
 
-import ctypes
 import os
 
 import numpy as np
@@ -30,7 +28,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.ut.patch.worker.test_patch_mamba_utils_overlap import LAYERWISE, World, bound, memmove_oracle, use_kernel
 from vllm_ascend.worker.mamba_copy_checks import MambaCopyValidationError, conflicting_pairs, validate_copy_batch
 
 settings.register_profile(
@@ -51,22 +48,17 @@ def _conflict(a, b):
     return hit(da, db, za, zb) or hit(da, sb, za, zb) or hit(sa, db, za, zb)
 
 
+def memmove_oracle(buf, pairs):
+    out = buf.copy()
+    for s, d, n in pairs:
+        out[d : d + n] = out[s : s + n].copy()
+    return out
+
+
 def _run_launch_unordered(buf, pairs):
     """One launch: every pair is a memmove of its own, pairs in reverse order."""
     for s, d, n in reversed(pairs):
         buf[d : d + n] = buf[s : s + n].copy()
-
-
-class ReverseLaunchKernel:
-    def __init__(self):
-        self.launches = []
-
-    def __call__(self, src_ptrs, dst_ptrs, sizes):
-        pairs = list(zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()))
-        self.launches.append(pairs)
-        for s, d, n in reversed(pairs):
-            if n > 0:
-                ctypes.memmove(d, ctypes.string_at(s, n), n)
 
 
 _pairs = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200), st.integers(0, 40)), min_size=0, max_size=12)
@@ -124,35 +116,3 @@ def test_bad_metadata_is_refused_naming_the_pair(src, dst, size, what):
 def test_tables_of_different_lengths_are_refused():
     with pytest.raises(MambaCopyValidationError, match="different lengths"):
         validate_copy_batch([1, 2], [3], [4, 5])
-
-
-@pytest.mark.parametrize("layerwise", [False, True] if LAYERWISE else [False])
-def test_pointer_path_runs_hazardous_pairs_in_order(monkeypatch, layerwise):
-    """Two requests whose moves chain through one block (b -> c, then a -> b): one launch in reverse
-    order would copy a into b before b is read; the interacting pairs run one by one, in order."""
-    world = World()
-    kernel = ReverseLaunchKernel()
-    with bound(monkeypatch, "triton"):
-        use_kernel(monkeypatch, kernel)
-        world.start_step()
-        world.collect([4, 5, 6, 7, 8, 9], 1, 2, 0)  # block 5 -> block 6
-        world.collect([3, 4, 5, 7, 8, 9], 1, 2, 0)  # block 4 -> block 5
-        before = world.bytes()
-        if layerwise:
-            world.run_layerwise()
-        else:
-            world.run_whole_batch()
-    world.assert_memmove(before)
-
-
-def test_bad_metadata_never_reaches_a_launch(monkeypatch):
-    world = World()
-    kernel = ReverseLaunchKernel()
-    with bound(monkeypatch, "triton"):
-        use_kernel(monkeypatch, kernel)
-        world.start_step()
-        world.collect([3, 5, 5, 7, 9, 10], 1, 2, 1)
-        world.copy_bufs.dst_ptrs.np[1] = 0  # a null destination
-        with pytest.raises(MambaCopyValidationError, match="copy 1 of 4: destination address <= 0"):
-            world.run_whole_batch()
-    assert kernel.launches == []

@@ -9,12 +9,16 @@ describe, to a snapshot of every storage; the bytes must be equal. Hypothesis
 draws the layout (vllm-ascend's raw KV-cache tensor per layer, separate pools,
 conv-only and temporal-only models, odd row sizes with storages whose length
 is not a multiple of the row), one or two KV-cache groups, shifts, shared
-blocks, duplicate destinations and chains.
+blocks, duplicate destinations and chains, and each case runs on both copy
+strategies (direct multi-tensor copies, whose every call must be free of
+interactions between its pairs, and row-index chunks, down to one row a chunk).
 
 Runs on CPU under tests/ut, and on a CUDA GPU where there is one.
 """
 
+import contextlib
 import os
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -42,6 +46,34 @@ LAYOUTS = {
     "temporal_only": ((TEMPORAL,), False, None, (4, 6), (F32,), 0),
     "odd": ((CONV, TEMPORAL), True, (3, 5), (7,), (F16, F16), 7),  # 10-byte rows, a 7-byte tail
 }
+
+
+STRATEGIES = ["direct", "indexed", "one_row_chunks"]
+
+
+def assert_independent(dsts, srcs):
+    """The pairs of one multi-tensor copy run in no order: none may write bytes another pair touches, or its source."""
+    for i, dst in enumerate(dsts):
+        lo, hi = dst.data_ptr(), dst.data_ptr() + dst.nbytes
+        others = [t for j, pair in enumerate(zip(dsts, srcs)) for t in (pair if j != i else pair[1:])]
+        bad = [t for t in others if lo < t.data_ptr() + t.nbytes and t.data_ptr() < hi]
+        assert not bad, f"pair {i} of a multi-tensor copy writes bytes that {len(bad)} other range(s) touch"
+
+
+@contextlib.contextmanager
+def strategy(name):
+    with pytest.MonkeyPatch.context() as mp:
+        if name == "direct":
+            foreach_copy = torch._foreach_copy_
+            mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_STORAGE", 10**9)
+            mp.setattr(
+                torch, "_foreach_copy_", lambda dsts, srcs: assert_independent(dsts, srcs) or foreach_copy(dsts, srcs)
+            )
+        else:
+            mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_STORAGE", 0)
+            if name == "one_row_chunks":
+                mp.setattr(mamba_copy_groups, "GATHER_BYTES", 1)
+        yield
 
 
 class Model:
@@ -142,18 +174,20 @@ def steps(draw):
             draw(st.lists(st.integers(0, num_blocks - 1), min_size=length, max_size=length)) for _ in range(groups)
         ]
         requests.append((tables, src_idx, dest_idx, bias))
-    return layout, groups, num_blocks, requests, draw(st.booleans())
+    return layout, groups, num_blocks, requests, draw(st.booleans()), draw(st.sampled_from(STRATEGIES))
 
 
 @FUZZ
 @given(steps())
 def test_grouped_copies_equal_pair_order_memmove(case):
-    layout, groups, num_blocks, requests, layerwise = case
+    layout, groups, num_blocks, requests, layerwise, how = case
     model = Model(layout, num_blocks=num_blocks, groups=groups)
-    want = model.run(requests, layerwise)
+    with strategy(how):
+        want = model.run(requests, layerwise)
     assert_equal(model, want)
 
 
+@pytest.mark.parametrize("how", STRATEGIES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("layerwise", [False, True])
 @pytest.mark.parametrize(
@@ -167,10 +201,37 @@ def test_grouped_copies_equal_pair_order_memmove(case):
         [([[1, 2, 7]], 0, 2, 1), ([[3, 7, 7]], 0, 2, 1), ([[4, 8, 9]], 1, 2, 0)],  # mixed
     ],
 )
-def test_shifts_shared_blocks_chains_and_duplicate_destinations(layout, layerwise, requests):
+def test_shifts_shared_blocks_chains_and_duplicate_destinations(layout, layerwise, requests, how):
     model = Model(layout)
-    want = model.run(requests, layerwise)
+    with strategy(how):
+        want = model.run(requests, layerwise)
     assert_equal(model, want)
+
+
+@pytest.mark.parametrize("direct_pairs_per_storage", [0, 10**9])
+def test_temporaries_stay_under_the_cap_whatever_the_batch(monkeypatch, direct_pairs_per_storage):
+    """Staging and gather buffers are allocated in chunks of at most GATHER_BYTES (without the cap they are
+    larger), and none outlives its step."""
+    empty, sizes, alive = torch.empty, [], []
+
+    def spy(*shape, **kw):
+        out = empty(*shape, **kw)
+        sizes.append(out.nbytes)
+        alive.append(weakref.ref(out)) if out.nbytes else None
+        return out
+
+    monkeypatch.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_STORAGE", direct_pairs_per_storage)
+    monkeypatch.setattr(torch, "empty", spy)
+    # 8 requests, each a same-block conv shift (staged on the direct path) and a temporal move
+    requests = [([[b, b, b + 8]], 0, 0, 1) for b in range(8)] + [([[b, b + 8, b + 8]], 0, 1, 1) for b in range(8)]
+    for cap in (10**9, 96):
+        monkeypatch.setattr(mamba_copy_groups, "GATHER_BYTES", cap)
+        model = Model("raw", num_blocks=16)
+        sizes.clear()
+        for step, layerwise in zip((requests[:8], requests[8:]), (False, True)):
+            assert_equal(model, model.run(step, layerwise))
+            assert not [ref for ref in alive if ref() is not None], "a temporary outlived its step"
+        assert max(sizes) <= 96 if cap == 96 else max(sizes) > 96
 
 
 def test_unknown_copy_functions_are_left_to_the_per_pair_collector():

@@ -14,65 +14,153 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 #
-"""VLLM_ASCEND_MAMBA_COPY_BACKEND=memmove: batch_memmove on the whole-batch and the layerwise path.
+"""The pointer copy paths of patch_mamba_utils: VLLM_ASCEND_MAMBA_COPY_BACKEND=memmove, and triton (A/B).
 
-Real Triton cannot run under tests/ut (its conftest mocks ``triton.runtime``), so
-``batch_memmove`` is replaced by a host launcher that checks the launch and moves
-the bytes with memmove semantics, pairs in reverse order (an unordered launch);
-the kernel itself is tested under the Triton interpreter and on devices by
+Real Triton cannot run under tests/ut (its conftest mocks ``triton.runtime``), so a launch is a
+host model of one unordered launch: every pair a memmove of its own, pairs in reverse order (one
+legal schedule, and the adversarial one for pair order). Oracle: numpy memmove of every pair, in
+pair order. The kernel itself is tested by
 tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_batch_memmove.py.
 """
 
 import ctypes
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
-from vllm.v1.worker import mamba_utils
+from vllm.v1.utils import CpuGpuBuffer
 
-from tests.ut.patch.worker.test_patch_mamba_utils_overlap import LAYERWISE, UnorderedKernel, World, bound, use_kernel
+from vllm_ascend.patch.worker import patch_mamba_utils as pm
+from vllm_ascend.worker.mamba_copy_checks import MambaCopyValidationError
+
+# (src, dst, size) byte offsets into one pool, per layer: a same-block left shift, a right overlap,
+# a move chained through block 512 (512 -> 768, then 256 -> 512: the second must run after the
+# first) and a source shared by two pairs.
+LAYERS = {
+    "layers.0.linear_attn": [(16, 0, 96), (128, 160, 64), (512, 768, 128), (256, 512, 128)],
+    "layers.1.linear_attn": [(1024, 1280, 64), (1024, 1536, 64), (1100, 1090, 40)],
+}
+PATHS = ["whole_batch", "layerwise"] if hasattr(pm, "prepare_mamba_copy_by_layer") else ["whole_batch"]
 
 
-class HostMemmove:
+class UnorderedLaunch:
     def __init__(self):
         self.launches = []
 
-    def __call__(self, src_ptrs, dst_ptrs, sizes, *, tiles=16, **kwargs):
-        assert src_ptrs.dtype == dst_ptrs.dtype == torch.int64 and sizes.dtype == torch.int32
-        assert tiles >= 1 and sizes.shape[0] * tiles <= 65535, (sizes.shape[0], tiles)
+    def __call__(self, src_ptrs, dst_ptrs, sizes, **kwargs):
         pairs = list(zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()))
-        self.launches.append((pairs, tiles))
+        self.launches.append(pairs)
         for s, d, n in reversed(pairs):
-            if n > 0:
-                ctypes.memmove(d, ctypes.string_at(s, n), n)
+            ctypes.memmove(d, ctypes.string_at(s, n), n)
 
 
-@pytest.mark.parametrize("layerwise", [False, True] if LAYERWISE else [False])
-@pytest.mark.parametrize("bias", [1, 3])
-def test_memmove_backend_runs_every_copy_path_overlap_safe(monkeypatch, bias, layerwise):
-    world = World()
-    memmove = HostMemmove()
-    with bound(monkeypatch, "memmove") as module:
-        monkeypatch.setattr(module, "batch_memmove", memmove)
-        use_kernel(monkeypatch, UnorderedKernel())  # the pointer kernel of "triton": must not be used
-        assert mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_npu
-        world.start_step()
-        world.collect([3, 5, 5, 7, 9, 10], 1, 2, bias)  # same-block conv shift
-        world.collect([4, 6, 8, 1, 10, 11], 0, 2, 2)
-        before = world.bytes()
-        world.run_layerwise() if layerwise else world.run_whole_batch()
-        assert len(memmove.launches) == (len(world.layer_names) if layerwise else 1)
-        assert mamba_utils.batch_memcpy.launches == []
-    world.assert_memmove(before)
+def memmove_oracle(pool: np.ndarray, pairs) -> np.ndarray:
+    out = pool.copy()
+    for s, d, n in pairs:
+        out[d : d + n] = out[s : s + n].copy()
+    return out
 
 
-def test_large_batches_bound_the_grid(monkeypatch):
-    memmove = HostMemmove()
-    with bound(monkeypatch, "memmove") as module:
-        monkeypatch.setattr(module, "batch_memmove", memmove)
-        n = 8192
-        buf = torch.zeros(2 * n, dtype=torch.uint8)
-        src = torch.full((n,), buf.data_ptr(), dtype=torch.int64)
-        dst = torch.arange(n, dtype=torch.int64) + buf.data_ptr() + n
-        module._batch_memmove(src, dst, torch.ones(n, dtype=torch.int32))
-        module._batch_memmove(src[:2], dst[:2], torch.ones(2, dtype=torch.int32))
-    assert [tiles for _, tiles in memmove.launches] == [7, 16]
+def make_copy_bufs(pool: torch.Tensor, layers=LAYERS):
+    """MambaCopyBuffers as the collector leaves them: pointer tables (and, per layer, their rows)."""
+    base = pool.data_ptr()
+    dtypes = (torch.int64, torch.int64, torch.int32)
+    tables = [CpuGpuBuffer(16, dtype=dtype, device=torch.device("cpu"), pin_memory=False) for dtype in dtypes]
+    metadata = {
+        name: ([base + s for s, _, _ in p], [base + d for _, d, _ in p], [n for *_, n in p])
+        for name, p in layers.items()
+    }
+    rows = [row for columns in metadata.values() for row in zip(*columns)]
+    for i, row in enumerate(rows):
+        for table, value in zip(tables, row):
+            table.np[i] = value
+    return SimpleNamespace(
+        src_ptrs=tables[0],
+        dst_ptrs=tables[1],
+        sizes=tables[2],
+        offset=len(rows),
+        _layer_copy_metadata=metadata,
+        _layer_copy_slices={},
+        _layer_copy_staged=False,
+        _layer_tensor_copy_pairs={},
+        _tensor_copy_pairs=[],
+        _mamba_copy_pools={base: base + pool.numel()},
+    )
+
+
+def run(copy_bufs, path: str) -> None:
+    """Stage the tables as preprocess_mamba does, then copy the whole batch or layer by layer."""
+    if path == "layerwise":
+        pm.prepare_mamba_copy_by_layer(copy_bufs)
+        for name in list(copy_bufs._layer_copy_metadata):
+            pm.do_mamba_copy_block_for_layer(copy_bufs, name)
+        return
+    if hasattr(pm, "_stage_mamba_copy_metadata"):  # releases that stage the tables in preprocess_mamba
+        pm._stage_mamba_copy_metadata(copy_bufs)
+    pm._do_mamba_copy_block_npu(copy_bufs)
+
+
+@pytest.fixture(params=["memmove", "triton"])
+def launch(request, monkeypatch):
+    """The backend's launch, replaced by UnorderedLaunch; the other pointer kernel must not run."""
+    monkeypatch.setattr(pm, "_MAMBA_COPY_BACKEND", request.param)
+    launches = {"memmove": UnorderedLaunch(), "triton": UnorderedLaunch()}
+    monkeypatch.setattr(pm, "batch_memmove", launches["memmove"])
+    monkeypatch.setattr(pm, "_batch_memcpy_triton", launches["triton"])
+    yield launches[request.param]
+    assert not launches["triton" if request.param == "memmove" else "memmove"].launches
+
+
+def test_memmove_is_an_accepted_backend(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_MAMBA_COPY_BACKEND", "memmove")
+    assert pm._mamba_copy_backend() == "memmove"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_pointer_paths_equal_pair_order_memmove(launch, path):
+    pool = torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    expected = memmove_oracle(pool.numpy(), [p for pairs in LAYERS.values() for p in pairs])
+    run(make_copy_bufs(pool), path)
+    np.testing.assert_array_equal(pool.numpy(), expected)
+    # The chained pairs (rows 2 and 3) run apart, in pair order; everything else in one launch a layer.
+    assert len(launch.launches) == (3 if path == "whole_batch" else 4)
+
+
+@pytest.mark.parametrize(
+    ("row", "column", "value", "what"),
+    [
+        (1, 1, lambda base: 0, "destination address <= 0"),
+        (5, 0, lambda base: base + 4096, "source range outside every state pool"),
+        (2, 2, lambda base: -4, "size outside"),
+    ],
+    ids=["null destination", "source outside the pool", "negative size"],
+)
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_tables_never_reach_a_launch(launch, path, row, column, value, what):
+    pool = torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    before = pool.clone()
+    copy_bufs = make_copy_bufs(pool)
+    name = list(LAYERS)[row // 4]
+    getattr(copy_bufs, ("src_ptrs", "dst_ptrs", "sizes")[column]).np[row] = value(pool.data_ptr())
+    copy_bufs._layer_copy_metadata[name][column][row % 4] = value(pool.data_ptr())
+    with pytest.raises(MambaCopyValidationError, match=f"copy {row} of 7: {what}"):
+        run(copy_bufs, path)
+    assert not launch.launches
+    assert torch.equal(pool, before)
+
+
+def test_default_backend_checks_nothing(monkeypatch):
+    """`torch` (the default) copies tensors, so no host check of the pointer tables runs on it."""
+
+    def fail(*args):
+        raise AssertionError("pointer tables checked on the torch path")
+
+    monkeypatch.setattr(pm, "_MAMBA_COPY_BACKEND", "torch")
+    monkeypatch.setattr(pm, "validate_copy_batch", fail)
+    monkeypatch.setattr(pm, "conflicting_pairs", fail)
+    copy_bufs = make_copy_bufs(torch.zeros(2048, dtype=torch.uint8))
+    if hasattr(pm, "prepare_mamba_copy_by_layer"):
+        pm.prepare_mamba_copy_by_layer(copy_bufs)
+    if hasattr(pm, "_stage_mamba_copy_metadata"):
+        pm._stage_mamba_copy_metadata(copy_bufs)

@@ -1,7 +1,8 @@
 """Run the tests: upstream's CPU unit-test suite on base and fork side by side, then the fork's own checks.
 
-The fork's own checks: its kernel op tests (Triton interpreter), the triton-ascend compile check,
-and the tooling's own tests.
+The fork's own checks: its kernel op tests (Triton interpreter), upstream's e2e tests of the
+modules the series changes (import-checked and run on base and fork, compared per test id), the
+triton-ascend compile check, and the tooling's own tests.
 
 Steps: build/check the test environment (build/testenv, cached); materialize the fork
 (build/fork) and the unpatched base (build/base-VERSION) as `apply` does; run `tests/ut` in
@@ -10,7 +11,9 @@ NPU runners (.ci/ut-exclusions.txt); compare per test id.
 
 Fails (exit 1) when a test that passes on the base fails, errors, is skipped or is missing
 on the fork; when a test the fork adds (a test file under the repository's tests/) fails,
-errors or is skipped; or when the kernel, compile or tooling tests fail. The base's results
+errors or is skipped; when an upstream e2e test of a changed module that passes on the base does
+not pass on the fork, or one collected on the base is not collected there; or when the kernel,
+compile or tooling tests fail. The base's results
 are cached per base sha256 + environment + selection, so a warm run runs the fork only.
 """
 
@@ -50,7 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--kernels-only",
         action="store_true",
-        help="only the Triton kernel checks: op tests under the interpreter, harness tests, triton-ascend compile",
+        help="only the Triton kernel checks: op tests under the interpreter, harness tests, triton-ascend compile, "
+        "upstream's e2e tests of the modules the series changes (base vs fork)",
     )
     p.add_argument("--rebuild-env", action="store_true", help="rebuild the test environment from scratch")
     p.add_argument(

@@ -75,8 +75,8 @@ def broken_on_both(base: dict[str, Result], fork: dict[str, Result]) -> list[str
     return sorted(tid for tid, r in fork.items() if r.outcome in BROKEN and tid in base and base[tid].outcome in BROKEN)
 
 
-def print_side_by_side(base: SuiteRun | None, fork: SuiteRun, base_version: str) -> None:
-    print(f"\nupstream CPU unit tests ({UT_DIR}, minus {EXCLUSIONS_FILE})")
+def print_side_by_side(base: SuiteRun | None, fork: SuiteRun, base_version: str, title: str = "") -> None:
+    print(f"\n{title or f'upstream CPU unit tests ({UT_DIR}, minus {EXCLUSIONS_FILE})'}")
     head_b = f"base {base_version}" + (" (cached)" if base and base.cached else "")
     print(f"  {'':10}{head_b:>28}{'fork':>14}")
     cb = counts(base.results) if base else None

@@ -40,6 +40,7 @@ from tools.fork.testing.suite import (
     store_cached,
     ut_pytest_args,
 )
+from tools.fork.testing.upstream_e2e import upstream_e2e_step
 
 
 @dataclass
@@ -107,8 +108,15 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
                 raise
             apply_error = exc  # the base's suite still runs (and is cached); the fork's cannot
 
+    def e2e_step(added):  # upstream's e2e tests of the modules the series changes, base vs fork
+        return upstream_e2e_step(
+            cfg, tenv, version=version, base_sha256=base.sha256, base_tree=base_tree, fork_tree=fork_tree,
+            patches=series.read(cfg, version), added=added, fork_only=args.fork_only,
+        )  # fmt: skip
+
     if args.kernels_only:
-        steps = kernel_steps(cfg, tenv, fork_tree, fork_added_test_files(cfg.root), base_tree, version=version)
+        added = fork_added_test_files(cfg.root)
+        steps = kernel_steps(cfg, tenv, fork_tree, added, base_tree, version=version) + [e2e_step(added)]
         for st in steps:
             extra = f" [{fmt_counts(st.counts)}]" if st.counts else ""
             print(f"  {st.name}: {st.status}{extra} {st.detail}")
@@ -169,6 +177,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
     print_comparison(cmp, base_run is not None)
 
     steps = kernel_steps(cfg, tenv, fork_tree, added, base_tree, version=version)
+    steps.append(e2e_step(added))
     # g. the tooling's own tests (they do not depend on the base: `make test` runs them once)
     steps.append(tooling_step(cfg, tenv, args.no_tooling_tests))
     # h. deploy into a pip-installed (non-editable) vllm-ascend, test it there, verify, revert

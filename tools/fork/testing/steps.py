@@ -69,19 +69,15 @@ def run_step(
     return judge_step(name, proc.returncode, c, dt, junit=junit is not None, allow_skips=allow_skips)
 
 
-def cuda_only_control(test_id: str) -> bool:
-    """The kernel op tests' `test_control_*` cases show the unguarded kernel racing on a real GPU;
-    under the CPU interpreter they skip by design (the interpreter cannot show a race)."""
-    return "::test_control_" in test_id
-
-
 def kernel_test_command(tenv: testenv.TestEnv, root: Path, tree: Path, files: list[str], junit: Path):
-    """The kernel op tests' command: its own process, the Triton interpreter, the harness plugin.
+    """The kernel op tests' command: its own process, the Triton interpreter, the harness plugin, and
+    the NPU mapped to the CPU (`--npu-on-cpu`): the op tests are written for an NPU, as upstream's are.
 
     Returns (argv, env, cwd). Adjust here when tools/kernel_harness changes its interface.
     """
     argv = [
         str(tenv.python), "-m", "pytest", "-q", "-rfE", "--noconftest", "-p", "tools.kernel_harness.plugin",
+        "--npu-on-cpu",
         "-p", "no:cacheprovider", "-o", JUNIT_FAMILY, f"--junitxml={junit}", f"--rootdir={tree}",
         f"--kernel-tree={tree}", *(str(tree / f) for f in files),
     ]  # fmt: skip
@@ -97,10 +93,10 @@ def kernel_test_command(tenv: testenv.TestEnv, root: Path, tree: Path, files: li
 
 
 def kernel_op_step(name: str, tenv: testenv.TestEnv, root: Path, tree: Path, files: list[str], junit: Path) -> Step:
-    """The kernel op tests `files` of `tree` under the interpreter; only the CUDA-only controls may skip."""
+    """The kernel op tests `files` of `tree` under the interpreter; none may skip."""
     junit.unlink(missing_ok=True)
     command = kernel_test_command(tenv, root, tree, files, junit)
-    return run_step(name, *command, junit, allow_skips=False, may_skip=cuda_only_control)
+    return run_step(name, *command, junit, allow_skips=False)
 
 
 def base_must_fail_step(tenv: testenv.TestEnv, root: Path, base_tree: Path, added: list[str], junit: Path) -> Step:

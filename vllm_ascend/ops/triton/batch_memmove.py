@@ -16,14 +16,11 @@ int -> pointer casts stay outside the loops and no condition chains
 import torch
 from vllm.triton_utils import tl, triton
 
-# Bytes per program per loop pass. 32 KiB (4 warps: 256 B in flight per lane) measured best on an
-# NVIDIA H200 (benchmarks/RESULTS.md); on Ascend NPUs the block lives in the on-chip unified
-# buffer, so keep vllm-ascend's batch_memcpy block size there until measured on hardware.
-DEFAULT_BLOCK_SIZE = 32768
-NPU_BLOCK_SIZE = 8192
-# Programs per pair (grid axis 1) for pairs that do not overlap.
-DEFAULT_TILES = 16
-_ALIGN = 16
+# Bytes per program per loop pass: batch_memcpy's block on Ascend. triton-ascend keeps the block in
+# the AI core's unified buffer, where batch_memcpy_kernel already loads and stores one this size.
+BLOCK_SIZE = 8192
+# triton-ascend flattens the grid into a coreDim that cannot exceed 65535 programs.
+MAX_PROGRAMS = 65535
 
 
 @triton.jit
@@ -90,9 +87,9 @@ def batch_memmove_kernel(src_ptrs, dst_ptrs, sizes, BLOCK_SIZE: tl.constexpr):
         is_aligned = ((src | dst | size) % 16) == 0
         offsets = tl.arange(0, BLOCK_SIZE)
         if is_aligned:
-            # Tell the compiler what the branch condition proved (16-byte
-            # vector accesses on GPUs). These casts are distinct ops from the
-            # unaligned branch's, so the hints do not leak into it.
+            # Tell the compiler what the branch condition proved. These casts
+            # are distinct ops from the unaligned branch's, so the hints do not
+            # leak into it.
             size_a = (size // 16) * 16
             src_ptr = tl.multiple_of(src.to(tl.pointer_type(tl.uint8)), 16)
             dst_ptr = tl.multiple_of(dst.to(tl.pointer_type(tl.uint8)), 16)
@@ -108,17 +105,18 @@ def batch_memmove(
     dst_ptrs: torch.Tensor,
     sizes: torch.Tensor,
     *,
-    block_size: int | None = None,
-    tiles: int = DEFAULT_TILES,
-    num_warps: int | None = None,
+    block_size: int = BLOCK_SIZE,
+    tiles: int = 1,
 ) -> None:
     """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, as memmove.
 
     Same call signature as vLLM's ``batch_memcpy``: 1-D device tensors, int64
-    addresses and int32 byte counts, one launch for the whole batch. Only cheap
-    checks run here (no device-to-host synchronisation); the addresses must be
-    valid device memory and no pair may overlap another pair. ``block_size``
-    defaults to DEFAULT_BLOCK_SIZE (NPU_BLOCK_SIZE on an NPU).
+    addresses and int32 byte counts, one launch for the whole batch (in chunks of
+    MAX_PROGRAMS programs). Only cheap checks run here (no device-to-host
+    synchronisation); the addresses must be valid device memory and no pair may
+    overlap another pair. ``tiles`` programs share each pair that does not
+    overlap itself; one by default, as ``mamba_utils._TEMPORAL_TILES`` on Ascend:
+    a step's pairs (requests x layers x states) already outnumber the AI cores.
     """
     tables = (src_ptrs, dst_ptrs, sizes)
     if [(t.dtype, t.dim(), t.shape[0], t.device) for t in tables] != [
@@ -128,14 +126,12 @@ def batch_memmove(
             "batch_memmove: src_ptrs and dst_ptrs must be 1-D int64, sizes 1-D int32, of one length and "
             f"device; got {[(t.dtype, tuple(t.shape), str(t.device)) for t in tables]}"
         )
-    batch = src_ptrs.shape[0]
-    if block_size is None:
-        block_size = NPU_BLOCK_SIZE if src_ptrs.device.type == "npu" else DEFAULT_BLOCK_SIZE
-    if block_size < _ALIGN or block_size & (block_size - 1):
-        raise ValueError(f"batch_memmove: block_size must be a power of two >= {_ALIGN}, got {block_size}")
-    if tiles < 1:
-        raise ValueError(f"batch_memmove: tiles must be >= 1, got {tiles}")
-    if batch == 0:
-        return
-    kwargs = {} if num_warps is None else {"num_warps": num_warps}
-    batch_memmove_kernel[(batch, tiles)](src_ptrs, dst_ptrs, sizes, BLOCK_SIZE=block_size, **kwargs)
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"batch_memmove: block_size must be a power of two >= 16, got {block_size}")
+    if not 1 <= tiles <= MAX_PROGRAMS:
+        raise ValueError(f"batch_memmove: tiles must be in [1, {MAX_PROGRAMS}], got {tiles}")
+    chunk = MAX_PROGRAMS // tiles
+    for start in range(0, src_ptrs.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        grid = (sizes[rows].shape[0], tiles)
+        batch_memmove_kernel[grid](src_ptrs[rows], dst_ptrs[rows], sizes[rows], BLOCK_SIZE=block_size)

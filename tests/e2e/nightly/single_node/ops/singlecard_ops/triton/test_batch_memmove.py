@@ -1,22 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""batch_memmove against a numpy memmove oracle; device-generic.
-
-Runs on `npu` when torch.npu is available, else on `cuda`, else on the CPU
-under the Triton interpreter (TRITON_INTERPRET=1, set by the runner before
-Triton is imported). The interpreter runs programs one after another, so on the
-CPU these tests check block order, masks, tiling and the overlap decisions,
-not races; on a GPU they also run under real concurrency.
+"""batch_memmove against a numpy memmove oracle.
 
 Every pair set is built so that no pair's ranges overlap another pair's
 (only a pair with itself), so the batch has one defined result: numpy memmove
 applied pair by pair to a byte snapshot of the pool. The pool is poisoned and
 randomised first; the whole pool must equal the oracle, so bytes outside the
-destinations must be unchanged.
-
-Tests named `test_control_*` run the unguarded upstream `batch_memcpy_kernel`
-where it is known to be wrong and assert that it IS wrong: they prove the
-oracle comparison can fail and document the bug the memmove kernel fixes.
+destinations must be unchanged. Sizes stay in the KiB range and blocks small,
+so that each pair walks several blocks.
 """
 
 import os
@@ -26,35 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ascend.ops.triton.batch_memcpy import batch_memcpy_kernel
-from vllm_ascend.ops.triton.batch_memmove import DEFAULT_BLOCK_SIZE, NPU_BLOCK_SIZE, batch_memmove
+from vllm_ascend.ops.triton import batch_memmove as bm
+from vllm_ascend.ops.triton.batch_memmove import batch_memmove
 
-
-def _select_device() -> str:
-    if hasattr(torch, "npu") and torch.npu.is_available():
-        return "npu"
-    if os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
-
-
-DEVICE = _select_device()
-INTERPRETED = DEVICE == "cpu"
-# Small blocks and few tiles keep the interpreter fast while still walking
-# several blocks per pair; on a device the launcher's defaults are used too.
-BLOCK_SIZES = [64, 256] if INTERPRETED else [64, 1024, NPU_BLOCK_SIZE if DEVICE == "npu" else DEFAULT_BLOCK_SIZE]
-TILES = 4 if INTERPRETED else 16
+DEVICE = "npu"
+pytestmark = pytest.mark.skipif(not hasattr(torch, "npu") or not torch.npu.is_available(), reason="NPU required")
+BLOCK_SIZES = [64, 256]
+TILES = 4
 POISON = 0xA5
 KINDS = ("left", "right", "exact", "disjoint")
 # Longer random runs: KERNEL_FUZZ_EXAMPLES=500 pytest ...
-FUZZ_EXAMPLES = int(os.environ.get("KERNEL_FUZZ_EXAMPLES", "25" if INTERPRETED else "200"))
-
-
-def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    elif DEVICE == "npu":
-        torch.npu.synchronize()
+FUZZ_EXAMPLES = int(os.environ.get("KERNEL_FUZZ_EXAMPLES", "25"))
 
 
 def memmove_oracle(pool: np.ndarray, pairs) -> np.ndarray:
@@ -104,20 +77,15 @@ def make_pool(nbytes: int, seed: int) -> np.ndarray:
     return pool
 
 
-def run_pairs(pool: np.ndarray, pairs, kernel: str = "memmove", **kwargs) -> np.ndarray:
-    """Copy pool to the device, run one launch over all pairs, return the pool bytes."""
+def run_pairs(pool: np.ndarray, pairs, **kwargs) -> np.ndarray:
+    """Copy pool to the device, run batch_memmove over all pairs, return the pool bytes."""
     dev = torch.from_numpy(pool.copy()).to(DEVICE)
     base = dev.data_ptr()
     src = torch.tensor([base + s for s, _, _ in pairs], dtype=torch.int64, device=DEVICE)
     dst = torch.tensor([base + d for _, d, _ in pairs], dtype=torch.int64, device=DEVICE)
     sizes = torch.tensor([n for _, _, n in pairs], dtype=torch.int32, device=DEVICE)
-    if kernel == "memmove":
-        batch_memmove(src, dst, sizes, **kwargs)
-    elif kernel == "unguarded":
-        batch_memcpy_kernel[(len(pairs),)](src, dst, sizes, BLOCK_SIZE=kwargs.get("block_size", 8192))
-    else:
-        raise ValueError(kernel)
-    _sync()
+    batch_memmove(src, dst, sizes, **kwargs)
+    torch.npu.synchronize()
     return dev.cpu().numpy()
 
 
@@ -211,20 +179,16 @@ def _mixed_pairs(rng: random.Random, num_pairs: int, max_size: int):
 @pytest.mark.parametrize("seed", range(3))
 def test_many_pairs_mixed_kinds_one_launch(seed):
     rng = random.Random(seed)
-    num_pairs, max_size = (48, 600) if INTERPRETED else (2048, 64 * 1024)
-    pairs, end = _mixed_pairs(rng, num_pairs, max_size)
+    pairs, end = _mixed_pairs(rng, 48, 600)
     pool = make_pool(end + 64, seed=seed)
-    block_size = 64 if INTERPRETED else None  # the launcher's default on a device
-    assert_memmove(pool, pairs, block_size=block_size, tiles=TILES)
+    assert_memmove(pool, pairs, block_size=64, tiles=TILES)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_mamba_conv_shift_every_bias_and_temporal_moves(dtype):
     """Align-mode moves on Mamba-like pools: state[blk, bias:] -> state[blk, :width - bias] for every
-    bias, plus conv and temporal moves between distinct blocks, all in one launch."""
-    num_blocks, width = 16, 4
-    conv_dim = 24 if INTERPRETED else 4096
-    temporal_shape = (2, 8, 8) if INTERPRETED else (16, 128, 128)
+    bias, plus conv and temporal moves between distinct blocks, all in one launch with the launcher's defaults."""
+    num_blocks, width, conv_dim, temporal_shape = 16, 4, 24, (2, 8, 8)
     gen = torch.Generator().manual_seed(0)
     conv = torch.randn(num_blocks, width, conv_dim, generator=gen).to(dtype).to(DEVICE)
     temporal = torch.randn(num_blocks, *temporal_shape, generator=gen).to(torch.float32).to(DEVICE)
@@ -255,9 +219,8 @@ def test_mamba_conv_shift_every_bias_and_temporal_moves(dtype):
     def t(values, dt):
         return torch.tensor(values, dtype=dt, device=DEVICE)
 
-    block_size = 64 if INTERPRETED else None
-    batch_memmove(t(src_ptrs, torch.int64), t(dst_ptrs, torch.int64), t(sizes, torch.int32), block_size=block_size)
-    _sync()
+    batch_memmove(t(src_ptrs, torch.int64), t(dst_ptrs, torch.int64), t(sizes, torch.int32))
+    torch.npu.synchronize()
     assert torch.equal(conv.cpu().view(torch.uint8), conv_ref.view(torch.uint8))
     assert torch.equal(temporal.cpu().view(torch.uint8), temporal_ref.view(torch.uint8))
 
@@ -303,47 +266,24 @@ def test_launcher_rejects_bad_arguments_before_launch():
             batch_memmove(*bad)
     with pytest.raises(ValueError, match="block_size"):
         batch_memmove(ok64, ok64, ok32, block_size=100)
-    with pytest.raises(ValueError, match="tiles"):
-        batch_memmove(ok64, ok64, ok32, tiles=0)
-    if DEVICE != "cpu":
-        with pytest.raises(ValueError, match="of one length and device"):
-            batch_memmove(ok64, ok64.cpu(), ok32)
+    for tiles in (0, bm.MAX_PROGRAMS + 1):
+        with pytest.raises(ValueError, match="tiles"):
+            batch_memmove(ok64, ok64, ok32, tiles=tiles)
     batch_memmove(ok64[:0], ok64[:0], ok32[:0])  # empty batch: nothing to launch
 
 
-def test_control_unguarded_memcpy_corrupts_right_overlap():
-    """CONTROL: upstream's unguarded kernel walks forwards, so dst > src overlapping with
-    size > BLOCK re-reads bytes it already stored. Asserts that it is WRONG here."""
-    block = 8192  # vllm-ascend's BLOCK_SIZE for batch_memcpy_kernel
+def test_large_batches_launch_in_chunks_within_the_grid_limit(monkeypatch):
+    """No launch has more than MAX_PROGRAMS programs (triton-ascend's coreDim limit)."""
+    kernel, grids = bm.batch_memmove_kernel, []
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(bm, "MAX_PROGRAMS", 8)
+    monkeypatch.setattr(bm, "batch_memmove_kernel", RecordingKernel())
     arena = Arena()
-    pairs = [arena.pair("right", 3 * block + 100, shift) for shift in (16, 1000, 5000)]
-    pool = make_pool(arena.end + 64, seed=11)
-    expected = memmove_oracle(pool, pairs)
-    result = run_pairs(pool, pairs, kernel="unguarded", block_size=block)
-    assert bad_pairs(result, expected, pairs), "unguarded batch_memcpy_kernel unexpectedly gave memmove results"
-    assert_memmove(pool, pairs, block_size=block, tiles=TILES)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="race geometry calibrated on NVIDIA GPUs (long rows, small shifts)")
-@pytest.mark.parametrize("num_warps", [4, 16])
-def test_control_unguarded_memcpy_races_on_left_shift_gpu(num_warps):
-    """CONTROL (GPU only): same-row left shifts of 16 bytes over 32 KiB rows. Lanes of the unguarded
-    kernel drift apart over the loop and store over bytes not loaded yet; memmove never does."""
-    rows, row_bytes, shift = 2048, 32 * 1024, 16
-    pool = make_pool(rows * (row_bytes + shift + 64), seed=5)
-    arena = Arena(align=64, gap=0)
-    pairs = [arena.pair("left", row_bytes, shift) for _ in range(rows)]
-    expected = memmove_oracle(pool, pairs)
-    corrupted = 0
-    for _ in range(5):
-        dev = torch.from_numpy(pool.copy()).to(DEVICE)
-        base = dev.data_ptr()
-        src = torch.tensor([base + s for s, _, _ in pairs], dtype=torch.int64, device=DEVICE)
-        dst = torch.tensor([base + d for _, d, _ in pairs], dtype=torch.int64, device=DEVICE)
-        sizes = torch.tensor([n for _, _, n in pairs], dtype=torch.int32, device=DEVICE)
-        batch_memcpy_kernel[(rows,)](src, dst, sizes, BLOCK_SIZE=1024, num_warps=num_warps)
-        torch.cuda.synchronize()
-        corrupted += len(bad_pairs(dev.cpu().numpy(), expected, pairs))
-    assert corrupted > 0, "unguarded kernel showed no race in 5 trials (control did not fire)"
-    for block_size in (1024, None, None):  # None: the launcher's default block
-        assert_memmove(pool, pairs, block_size=block_size, num_warps=num_warps)
+    pairs = [arena.pair(KINDS[i % 4], 40, 3 if i % 4 != 2 else 0) for i in range(9)]
+    assert_memmove(make_pool(arena.end + 64, seed=3), pairs, block_size=16, tiles=3)
+    assert grids == [(2, 3)] * 4 + [(1, 3)]

@@ -1,0 +1,59 @@
+"""pytest plugin (and helper) for a CUDA GPU: the op tests' `npu` device becomes `cuda`.
+
+The upstream-bound op tests are written as upstream writes them: device "npu", skipped without
+`torch.npu`. On the lent GPU there is no torch_npu, so `install()` gives torch an `npu` module
+(`is_available`, `synchronize`, `device_count`, `current_device` answered by CUDA) and, for the
+whole process, a torch function mode that turns every `npu` device a torch function is given
+(`device=` of factory functions, `Tensor.to("npu")`) into `cuda`. On the CPU the kernel harness does
+the same towards the CPU (`--npu-on-cpu`).
+
+    python -m pytest -p tools.kernel_harness.plugin -p benchmarks.npu_as_cuda --noconftest ...
+"""
+
+from __future__ import annotations
+
+import types
+
+
+def _cuda(device):
+    import torch
+
+    if isinstance(device, torch.device) and device.type == "npu":
+        return torch.device("cuda", device.index)
+    if isinstance(device, str) and (device == "npu" or device.startswith("npu:")):
+        return "cuda" + device[3:]
+    return device
+
+
+def install() -> None:
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    if getattr(getattr(torch, "npu", None), "_npu_as_cuda", False):
+        return
+    if hasattr(torch, "npu") or not torch.cuda.is_available():
+        raise RuntimeError("npu_as_cuda: needs a CUDA GPU and no torch_npu")
+    torch.utils.rename_privateuse1_backend("npu")  # torch.device("npu:0") parses
+    npu = types.ModuleType("torch.npu", "the NPU mapped to CUDA (benchmarks/npu_as_cuda.py)")
+    npu._npu_as_cuda = True
+    npu.is_available = lambda: True
+    npu.synchronize = torch.cuda.synchronize
+    npu.device_count = torch.cuda.device_count
+    npu.current_device = torch.cuda.current_device
+    npu.get_device_name = torch.cuda.get_device_name
+    torch._register_device_module("npu", npu)
+
+    class NpuToCuda(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": _cuda(kwargs["device"])}
+            if func is torch.Tensor.to:
+                args = tuple(_cuda(a) for a in args)
+            return func(*args, **kwargs)
+
+    NpuToCuda().__enter__()
+
+
+def pytest_configure(config):
+    install()

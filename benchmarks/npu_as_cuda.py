@@ -4,8 +4,8 @@ The upstream-bound op tests are written as upstream writes them: device "npu", s
 `torch.npu`. On the lent GPU there is no torch_npu, so `install()` gives torch an `npu` module
 (`is_available`, `synchronize`, `device_count`, `current_device` answered by CUDA) and, for the
 whole process, a torch function mode that turns every `npu` device a torch function is given
-(`device=` of factory functions, `Tensor.to("npu")`) into `cuda`. On the CPU the kernel harness does
-the same towards the CPU (`--npu-on-cpu`).
+(`device=` of factory functions, `Tensor.to("npu")`) into `cuda`: the kernel harness's mapping
+(`tools/kernel_harness/npu_cpu.device_mode`), which `--npu-on-cpu` points at the CPU.
 
     python -m pytest -p tools.kernel_harness.plugin -p benchmarks.npu_as_cuda --noconftest ...
 """
@@ -15,19 +15,10 @@ from __future__ import annotations
 import types
 
 
-def _cuda(device):
-    import torch
-
-    if isinstance(device, torch.device) and device.type == "npu":
-        return torch.device("cuda", device.index)
-    if isinstance(device, str) and (device == "npu" or device.startswith("npu:")):
-        return "cuda" + device[3:]
-    return device
-
-
 def install() -> None:
     import torch
-    from torch.overrides import TorchFunctionMode
+
+    from tools.kernel_harness.npu_cpu import device_mode
 
     if getattr(getattr(torch, "npu", None), "_npu_as_cuda", False):
         return
@@ -43,16 +34,7 @@ def install() -> None:
     npu.get_device_name = torch.cuda.get_device_name
     torch._register_device_module("npu", npu)
 
-    class NpuToCuda(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if "device" in kwargs:
-                kwargs = {**kwargs, "device": _cuda(kwargs["device"])}
-            if func is torch.Tensor.to:
-                args = tuple(_cuda(a) for a in args)
-            return func(*args, **kwargs)
-
-    NpuToCuda().__enter__()
+    device_mode("cuda").__enter__()  # for the whole process, as the CPU mapping does
 
 
 def pytest_configure(config):

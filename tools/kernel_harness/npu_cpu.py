@@ -39,30 +39,25 @@ def _is_npu(device) -> bool:
     return False
 
 
-def _to_cpu(value):
-    import torch
-
-    if _is_npu(value):
-        return torch.device("cpu")
-    return value
-
-
-def _mode_class():
+def device_mode(target: str):
+    """A torch function mode that turns every `npu` device handed to a torch function (factory
+    functions' `device=`, `x.to("npu")`, `x.to(torch.device("npu", 0), dtype)`) into `target`."""
     import torch
     from torch.overrides import TorchFunctionMode
 
-    class NpuToCpu(TorchFunctionMode):
-        """Every `npu` device handed to a torch function becomes the CPU."""
+    def mapped(value):
+        return torch.device(target) if _is_npu(value) else value
 
+    class NpuTo(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if "device" in kwargs:
-                kwargs = {**kwargs, "device": _to_cpu(kwargs["device"])}
-            if func is torch.Tensor.to:  # x.to("npu"), x.to(torch.device("npu", 0), dtype)
-                args = tuple(_to_cpu(a) for a in args)
+                kwargs = {**kwargs, "device": mapped(kwargs["device"])}
+            if func is torch.Tensor.to:
+                args = tuple(mapped(a) for a in args)
             return func(*args, **kwargs)
 
-    return NpuToCpu
+    return NpuTo()
 
 
 class _Graph:
@@ -169,4 +164,4 @@ def install() -> None:
     torch.Tensor.npu = lambda self, *args, **kwargs: self
     torch.accelerator.synchronize = lambda *args, **kwargs: None
 
-    _mode_class()().__enter__()  # for the whole process: pytest runs every test in it
+    device_mode("cpu").__enter__()  # for the whole process: pytest runs every test in it

@@ -142,3 +142,8 @@ def am_in_progress(cwd: Path) -> bool:
 def added_paths(cwd: Path, since: str, under: str, until: str = "HEAD") -> list[str]:
     """Paths under `under` that commits `since..until` add (`git diff --diff-filter=A`), as git lists them."""
     return out(["diff", "--name-only", "--diff-filter=A", since, until, "--", under], cwd).split()
+
+
+def deleted_paths(cwd: Path, since: str, under: str, until: str = "HEAD") -> list[str]:
+    """Paths under `under` that commits `since..until` delete (`git diff --diff-filter=D`)."""
+    return out(["diff", "--name-only", "--diff-filter=D", since, until, "--", under], cwd).split()

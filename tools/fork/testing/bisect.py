@@ -40,7 +40,9 @@ def bisect(cfg, tenv: testenv.TestEnv, base, ignores: list[str], source) -> int:
         materialize(tree, lambda: source, version, patches[:k], force=True)
         added = [f for f in git.added_paths(tree, base_tag(version), "tests") if is_test_file(f)]
         run = suite.run_suite(tenv, tree, version, f"prefix-{k}", pytest_args, out)
-        cmp = compare(base_run.results, run.results, [f for f in added if f.startswith(suite.UT_DIR + "/")])
+        removed = set(git.deleted_paths(tree, base_tag(version), suite.UT_DIR))
+        ut_added = [f for f in added if f.startswith(suite.UT_DIR + "/")]
+        cmp = compare(base_run.results, run.results, ut_added, removed_files=removed)
         ok = cmp.ok
         print(
             f"fork test: prefix {k}: suite {fmt_counts(counts(run.results))}; {len(cmp.regressions)} regressed, "

@@ -14,6 +14,7 @@ from tools.fork.testing.suite import UT_DIR, SuiteRun
 class Comparison:
     regressions: list[tuple[str, str]] = field(default_factory=list)  # passed on base -> (id, fork outcome)
     lost: list[str] = field(default_factory=list)  # passed on base, absent from the fork
+    removed: list[str] = field(default_factory=list)  # absent from the fork because a patch deletes the file
     new: list[Result] = field(default_factory=list)  # ids the fork has and the base has not
     fixed: list[str] = field(default_factory=list)  # broken on base, passing on the fork
     broken_both: list[str] = field(default_factory=list)  # broken on base and fork alike (the release's own)
@@ -39,11 +40,14 @@ def compare(
     fork: dict[str, Result],
     fork_added_files: list[str],
     excluded_files: set[str] = frozenset(),
+    removed_files: set[str] = frozenset(),
 ) -> Comparison:
     """Base vs fork per test id, and the check of the tests the fork adds.
 
     `fork_added_files`: test files (relative paths) the fork adds to this suite; each must
     have run, and every test in it must pass. Files in `excluded_files` are not expected to run.
+    `removed_files`: upstream test files a patch deletes (a PR may replace a test it makes
+    obsolete): their tests are listed as removed, not lost.
     """
     cmp = Comparison()
     if base is not None:
@@ -51,7 +55,7 @@ def compare(
             f = fork.get(tid)
             if b.outcome == "passed":
                 if f is None:
-                    cmp.lost.append(tid)
+                    (cmp.removed if b.file in removed_files else cmp.lost).append(tid)
                 elif f.outcome != "passed":
                     cmp.regressions.append((tid, f.outcome))
             elif b.outcome in BROKEN and f is not None and f.outcome == "passed":
@@ -105,6 +109,8 @@ def print_comparison(cmp: Comparison, have_base: bool) -> None:
             _list("PASS on base, NOT passing on fork", [f"{t}: {o}" for t, o in cmp.regressions])
         if cmp.lost:
             _list("PASS on base, MISSING from fork", cmp.lost)
+        if cmp.removed:
+            _list("PASS on base, their file deleted by a patch of the series (not judged)", cmp.removed)
         if cmp.fixed:
             _list("broken on base, passing on fork", cmp.fixed)
         if cmp.broken_both:

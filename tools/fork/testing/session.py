@@ -10,9 +10,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.fork.core import series, upstream
+from tools.fork.core import git, series, upstream
 from tools.fork.core.errors import EXIT_FAILED, BadInput, LocalEdits
 from tools.fork.core.materialize import ApplyFailed, require_tree
+from tools.fork.core.series import base_tag
 from tools.fork.testing import testenv
 from tools.fork.testing.bisect import bisect, materialize_tree
 from tools.fork.testing.exclusions import (
@@ -172,7 +173,8 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
     if narrowed:
         # a narrowed selection need not include every added file
         ut_added = [f for f in ut_added if any(r.file == f for r in fork_run.results.values())]
-    cmp = compare(base_run.results if base_run else None, fork_run.results, ut_added, excluded_files)
+    removed = set(git.deleted_paths(fork_tree, base_tag(version), UT_DIR))
+    cmp = compare(base_run.results if base_run else None, fork_run.results, ut_added, excluded_files, removed)
     print_side_by_side(base_run, fork_run, version)
     print_comparison(cmp, base_run is not None)
 

@@ -227,6 +227,17 @@ def test_pass_on_base_missing_on_fork_fails_the_run():
     assert cmp.lost == ["tests/ut/test_a.py::t1"] and not cmp.ok
 
 
+def test_tests_of_a_file_a_patch_deletes_are_removed_not_lost():
+    # A PR may replace an upstream test it makes obsolete: its tests are listed, not judged; a test
+    # missing from any other file is still lost.
+    fork = {k: v for k, v in BASE.items() if "test_a.py" not in k or k.endswith("::t2")}
+    cmp = results.compare(BASE, fork, [], removed_files={"tests/ut/test_b.py"})
+    assert cmp.lost == ["tests/ut/test_a.py::t1"] and not cmp.ok
+    gone = {k: v for k, v in BASE.items() if "test_a.py" not in k}
+    cmp = results.compare(BASE, gone, [], removed_files={"tests/ut/test_a.py"})
+    assert cmp.ok and cmp.removed == ["tests/ut/test_a.py::t1", "tests/ut/test_a.py::t2"] and not cmp.lost
+
+
 def test_failing_on_both_is_not_a_regression_and_a_fix_is_reported():
     fork = dict(BASE, **_results(test_b__t3="failed"))
     assert results.compare(BASE, fork, []).ok

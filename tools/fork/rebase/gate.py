@@ -187,7 +187,8 @@ def run(
         if cache is not None:
             suite.store_cached(base_run, cache)
     fork_run = runner.run(tree, "fork", args)
-    cmp = compare(base_run.results, fork_run.results, own, excluded)
+    removed = set(git.deleted_paths(tree, base_tag(version), suite.UT_DIR))  # tests a patch replaces
+    cmp = compare(base_run.results, fork_run.results, own, excluded, removed)
     for tid, outcome in cmp.regressions:
         res = fork_run.results[tid]
         report.failures.append(Failure(tid, f"{outcome} (passes on the base)", res.message, None, "suite"))
@@ -201,6 +202,7 @@ def run(
     report.summary.append(
         f"upstream's CPU suite: base {fmt_counts(cb)} | fork {fmt_counts(cf)}; "
         f"{len(cmp.regressions)} regressed, {len(cmp.lost)} lost"
+        + (f", {len(cmp.removed)} in files a patch deletes" if cmp.removed else "")
     )
     report.ok = not report.failures
     return report

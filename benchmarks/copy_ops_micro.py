@@ -2,7 +2,7 @@
 
     python benchmarks/copy_ops_micro.py --json out.json      # CUDA or NPU
 
-The step of benchmarks/copy_paths.py (vLLM layout: 36 raw tensors, per request a conv state of
+The step of benchmarks/copy_paths.py (its per_layer layout: 36 raw tensors, per request a conv state of
 3 x 16 KiB moved to a new block and a 2 MiB temporal state), broken into its parts: building
 (source, destination) views, one multi-tensor copy over prebuilt views (and the kernels it
 launches), and the per-storage row-index ops with prebuilt indices, each with its host time per
@@ -55,7 +55,7 @@ def kernels_launched(torch, fn):
 def measure(torch, device, requests, records):
     """The parts of one step of `requests` requests."""
     blocks = 2 * requests + 2
-    pools = make_pools(torch, device, blocks, LAYERS, CONV_ROWS, CONV_DIM, TEMPORAL_SHAPE, "vllm")
+    pools = make_pools(torch, device, blocks, LAYERS, CONV_ROWS, CONV_DIM, TEMPORAL_SHAPE, "per_layer")
     row = CONV_DIM * 2
     page = pools[0][0].stride(0) * 2
     flats = [

@@ -24,20 +24,31 @@ Backends (one batch = every copy of one align-mode step):
 Extra rows: unguarded_b1024; with --sweep memmove_b<B>_t<T>_w<W> (block/tile/warps) and
 memmove_product (vllm-ascend's launcher batch_memmove with its own defaults).
 
-Shapes per layer (36 layers): one conv state of 3 rows x 16 KiB (bf16, dim 8192) and one
-2 MiB fp32 temporal state. Two memory layouts, both in every run (`layout` in each record):
-  vllm      what vllm-ascend's model runner builds for hybrid models: one raw int8 tensor per
-            layer (its KV-cache tensor), `num_blocks` pages of [conv state | temporal state], the
-            two states as strided views with the page stride (`_reshape_kv_cache_tensors` ->
-            `_adjust_kv_layout` in vllm_ascend/worker/model_runner_v1.py)
+Shapes per layer (36 GDN layers in 3 KV-cache groups of 12, as Qwen3-Next's 36 linear-attention layers
+beside 12 full-attention ones): one conv state of 3 rows x 16 KiB (bf16, dim 8192) and one 2 MiB fp32
+temporal state. Pages of [conv state | temporal state], the states strided views with the page stride
+(`_adjust_kv_layout`). Memory layouts (`layout` in each record):
+  backing   what vllm-ascend 0.30.0rc2's model runner builds for hybrid attention/Mamba models with
+            vLLM's layer-compact KV-cache layouts (LBNHC, vLLM's default): one allocation, every layer
+            a slice of it (`_allocate_kv_cache_tensors`, "Materialize slices of one backing tensor"),
+            the KV-cache groups aliased from its first byte, so layer j of every group is region j
+  shared    vllm-ascend 0.23.0.post1: one raw int8 tensor per KV-cache tensor, shared by layer j of
+            every group (12 tensors)
+  per_layer one raw int8 tensor per layer (0.30.0rc2's private layer buffers, where the one-allocation
+            path does not apply, e.g. block-outermost layouts); what runs 9-11 called `vllm`
   separate  every state its own contiguous allocation (72 pools)
+A layer's group and place: layer i is in group i % 3 at region i // 3; a request has its own blocks in
+each group, so aliased layers never share a block, as vLLM's block pool guarantees.
 Each request crosses a block boundary: its conv state moves to a new
 block shifted by 1-2 tokens (state[src, bias:] -> state[dst, :3 - bias]) and its temporal state
 moves to a new block. The device-to-device bandwidth of one large torch copy is measured in the
 same run as the ceiling. gbps counts read + write bytes (2 x bytes / time), like d2d_gbps.
 
 Every record has `median_ms` (device time: events around one batch, launch gaps included) and
-`host_ms` (median wall time of the call itself on the host, without waiting for the device).
+`host_ms` (median wall time of the call itself on the host, without waiting for the device). The
+backends of one case are timed round robin, one call each per round in a shuffled order, so that a
+drift in the host's speed (up to 2x between leases, and within one) falls on all of them alike, and
+so does running right after another backend (colder host caches: up to 25% slower in run 13).
 
 The host-side cost of collecting the copy metadata is measured on the CPU with CPU tensors:
 per-pair loops emulating upstream's collectors (pointer buffers, tensor pairs) and the fork's
@@ -49,6 +60,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import random
 import statistics
 import sys
 import time
@@ -62,7 +74,8 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 LAYERS = 36
-LAYOUTS = ("vllm", "separate")
+GROUPS = 3  # KV-cache groups of the Mamba layers: layer i is in group i % GROUPS
+LAYOUTS = ("backing", "shared", "per_layer", "separate")
 CONV_ROWS, CONV_DIM = 3, 8192  # bf16 -> 16 KiB rows
 TEMPORAL_SHAPE = (16, 128, 256)  # fp32 -> 2 MiB
 
@@ -96,20 +109,30 @@ def make_pools(torch, device, blocks, layers, conv_rows, conv_dim, temporal_shap
     alloc = alloc or torch.empty
     pools = []
     t_numel = int(np.prod(temporal_shape))
-    for _ in range(layers):
+    conv_bytes = conv_rows * conv_dim * 2
+    page = conv_bytes + t_numel * 4  # vLLM pads it to the attention page in hybrid models
+    regions = -(-layers // GROUPS)
+    backing = alloc(regions * blocks * page, dtype=torch.int8, device=device) if layout == "backing" else None
+    shared = [alloc(blocks * page, dtype=torch.int8, device=device) for _ in range(regions)] if layout == "shared" else []
+    for i in range(layers):
         if layout == "separate":
             conv = alloc(blocks, conv_rows, conv_dim, dtype=torch.bfloat16, device=device)
             temporal = alloc(blocks, *temporal_shape, dtype=torch.float32, device=device)
         else:
-            conv_bytes = conv_rows * conv_dim * 2
-            page = conv_bytes + t_numel * 4  # vLLM pads it to the attention page in hybrid models
-            raw = alloc(blocks * page, dtype=torch.int8, device=device)
-            conv = raw.view(torch.bfloat16).as_strided((blocks, conv_rows, conv_dim), (page // 2, conv_dim, 1), 0)
+            region = i // GROUPS
+            if layout == "backing":
+                raw = backing[region * blocks * page : (region + 1) * blocks * page]
+            else:
+                raw = shared[region] if layout == "shared" else alloc(blocks * page, dtype=torch.int8, device=device)
+            start = raw.storage_offset()
+            conv = raw.view(torch.bfloat16).as_strided(
+                (blocks, conv_rows, conv_dim), (page // 2, conv_dim, 1), start // 2
+            )
             t_stride = [t_numel // temporal_shape[0]]
             for d in temporal_shape[1:]:
                 t_stride.append(t_stride[-1] // d)
             temporal = raw.view(torch.float32).as_strided(
-                (blocks, *temporal_shape), (page // 4, *t_stride), conv_bytes // 4
+                (blocks, *temporal_shape), (page // 4, *t_stride), (start + conv_bytes) // 4
             )
         pools.append((conv, temporal))
     return pools
@@ -118,24 +141,29 @@ def make_pools(torch, device, blocks, layers, conv_rows, conv_dim, temporal_shap
 class Batch:
     """Pools for `layers` layers and the copy pairs of `requests` requests crossing a block boundary."""
 
-    def __init__(self, torch, device, requests, layers, conv_rows, conv_dim, temporal_shape, seed=0, layout="vllm"):
+    def __init__(self, torch, device, requests, layers, conv_rows, conv_dim, temporal_shape, seed=0, layout="backing"):
         self.torch = torch
-        blocks = 2 * requests + 2
+        blocks = 2 * requests * GROUPS + 2
         torch.manual_seed(seed)
         self.pools = make_pools(torch, device, blocks, layers, conv_rows, conv_dim, temporal_shape, layout)
         for conv, temporal in self.pools:
             conv.view(torch.int16).random_(-(2**15), 2**15)  # filled on the device
             temporal.normal_()
+        # Request r moves, in group g, from block 2 * (r * GROUPS + g) to the next one; bias = accepted
+        # tokens - 1, one per request, all layers.
         self.views = []  # (src_view, dst_view)
         for layer, (conv, temporal) in enumerate(self.pools):
             for req in range(requests):
-                src_blk, dst_blk = 2 * req, 2 * req + 1
-                bias = 1 + req % 2  # accepted tokens - 1: one per request, all layers
-                self.views.append((conv[src_blk, bias:], conv[dst_blk, : conv_rows - bias]))
-                self.views.append((temporal[src_blk], temporal[dst_blk]))
-        # What the collector is called with per request: block table, source and destination index, bias
-        # (conv from block_ids[0] shifted by bias rows, temporal from block_ids[bias], both into block_ids[3]).
-        self.requests = [([2 * r] * 3 + [2 * r + 1], 0, 3, 1 + r % 2) for r in range(requests)]
+                src_blk = 2 * (req * GROUPS + layer % GROUPS)
+                bias = 1 + req % 2
+                self.views.append((conv[src_blk, bias:], conv[src_blk + 1, : conv_rows - bias]))
+                self.views.append((temporal[src_blk], temporal[src_blk + 1]))
+        # What the collector is called with per request: block table per group, source and destination index,
+        # bias (conv from block_ids[0] shifted by bias rows, temporal from block_ids[bias], both into block_ids[3]).
+        self.requests = [
+            ([[2 * (r * GROUPS + g)] * 3 + [2 * (r * GROUPS + g) + 1] for g in range(GROUPS)], 0, 3, 1 + r % 2)
+            for r in range(requests)
+        ]
         self.src_ptrs = torch.tensor([s.data_ptr() for s, _ in self.views], dtype=torch.int64, device=device)
         self.dst_ptrs = torch.tensor([d.data_ptr() for _, d in self.views], dtype=torch.int64, device=device)
         sizes = [s.numel() * s.element_size() for s, _ in self.views]
@@ -145,16 +173,16 @@ class Batch:
         self.copy_rows = None
 
     def grouped_step(self, mcg, specs):
-        """The step's copy, its requests recorded once as the collector records them (one KV-cache group).
+        """The step's copy, its requests recorded once as the collector records them.
 
         Like the per-pair rows, whose tensor pairs the collector builds outside the timed call, the
         recording is left out of the copy's time; `host_grouped_record` measures it."""
-        layers = [(f"layer.{i}", 0, list(p), (specs.get_conv_copy_spec, specs.get_temporal_copy_spec))
+        layers = [(f"layer.{i}", i % GROUPS, list(p), (specs.get_conv_copy_spec, specs.get_temporal_copy_spec))
                   for i, p in enumerate(self.pools)]  # fmt: skip
         bufs = types.SimpleNamespace()
-        for table, src_idx, dest_idx, bias in self.requests:
+        for tables, src_idx, dest_idx, bias in self.requests:
             assert mcg.record(
-                bufs, lambda: layers, [0], src_idx, dest_idx, bias, types.SimpleNamespace(block_ids=[table])
+                bufs, lambda: layers, list(range(GROUPS)), src_idx, dest_idx, bias, types.SimpleNamespace(block_ids=tables)
             )
         recorded = bufs._mamba_copy_requests
 
@@ -207,9 +235,10 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool, compare_groups=()):
         return run
 
     variants = {
-        "torch_direct": {"DIRECT_PAIRS_PER_STORAGE": 1 << 62},
-        "torch_indexed": {"DIRECT_PAIRS_PER_STORAGE": 0},
-        "torch_uncapped": {"DIRECT_PAIRS_PER_STORAGE": 0, "GATHER_BYTES": 1 << 62},
+        "torch_direct": {"DIRECT_PAIRS_PER_FAMILY": 1 << 62},
+        "torch_indexed": {"DIRECT_PAIRS_PER_FAMILY": 0},
+        "torch_uncapped": {"DIRECT_PAIRS_PER_FAMILY": 0, "GATHER_BYTES": 1 << 62},
+        "torch_cap256": {"GATHER_BYTES": 256 << 20},
     }
     groups = {
         "torch": (grouped(mcg, "torch"), {"path": "mamba_copy_groups.record + copy"}),
@@ -330,7 +359,7 @@ def check_backend(torch, fn, batch) -> bool:
 
 def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separate"):
     """us per pair spent collecting copy metadata on the host, CPU tensors, collector-like loops."""
-    blocks = 2 * requests + 2
+    blocks = 2 * requests * GROUPS + 2
     # torch.empty: pages are never touched, only addresses are computed.
     pools = make_pools(torch, "cpu", blocks, layers, CONV_ROWS, CONV_DIM, TEMPORAL_SHAPE, layout)
     block_ids = [[2 * r, 2 * r + 1] for r in range(requests)]
@@ -418,13 +447,14 @@ def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separ
                         off += 1
             return off
 
-        named = [(f"layer.{i}", 0, list(pools[i]), funcs) for i in range(layers)]
+        named = [(f"layer.{i}", i % GROUPS, list(pools[i]), funcs) for i in range(layers)]
         bufs = types.SimpleNamespace()
 
         def grouped_record():
             bufs._mamba_copy_requests = []  # a new step (copy() forgets the step's requests)
             for r in range(requests):
-                mcg.record(bufs, lambda: named, [0], 0, 1, biases[r], types.SimpleNamespace(block_ids=[tables[r]]))
+                req = types.SimpleNamespace(block_ids=[[b * GROUPS + g for b in tables[r]] for g in range(GROUPS)])
+                mcg.record(bufs, lambda: named, list(range(GROUPS)), 0, 1, biases[r], req)
             return n
 
         out_extra = {"per_pair_collector": per_pair_collector, "grouped_record": grouped_record}
@@ -467,11 +497,17 @@ def run(args):
     cases = [(layout, requests) for layout in args.layouts.split(",") for requests in requests_list]
     for layout, requests in cases:
         batch = Batch(torch, device, requests, layers, conv_rows, conv_dim, temporal_shape, layout=layout)
+        correct = {name: check_backend(torch, fn, batch) for name, (fn, _) in backends.items()}
+        timed = {name: ([], []) for name in backends}  # device and host ms of each call
+        order = list(backends)
+        for rep in range(reps):  # round robin: a host's speed drifts, and every backend sees the same drift
+            random.Random(rep).shuffle(order)  # and each runs first (its caches cold after another) as often
+            for name in order:
+                fn = backends[name][0]
+                timed[name][0].extend(time_batch(torch, device, fn, batch, 1, 2 if rep == 0 else 0, timed[name][1])[1])
         for name, (fn, cfg) in backends.items():
-            ok = check_backend(torch, fn, batch)
-            host_times = []
-            median_ms, times = time_batch(torch, device, fn, batch, reps, 2, host_times)
-            host_ms = statistics.median(host_times)
+            ok, times = correct[name], timed[name][0]
+            median_ms, host_ms = (statistics.median(x) for x in timed[name])
             gbps = 2 * batch.bytes / (median_ms * 1e-3) / 1e9
             b2b = {}
             if device != "cpu" and not name.startswith("torch_"):
@@ -537,7 +573,7 @@ def plot(records, png):
     fig, ax = plt.subplots(figsize=(9, 6))
     names = ["unguarded", "unguarded_b1024", "left_guard", "memmove", "torch", "torch_clone", "torch_copy"]
     colors = {}
-    for layout, style in (("vllm", "-"), ("separate", ":")):
+    for layout, style in zip((*LAYOUTS, "vllm"), ("-", "-.", "--", ":", "--")):  # "vllm": runs 9-11's per_layer
         for name in names:
             rows = sorted(
                 (r for r in dev if r["backend"] == name and r.get("layout", "separate") == layout),
@@ -558,7 +594,7 @@ def plot(records, png):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests per batch (36 layers x (conv 3x16 KiB + temporal 2 MiB))")
     ax.set_ylabel("GB/s (read + write)")
-    ax.set_title(f"Mamba state copy paths on {dev[0]['device']} (solid: vLLM layout, dotted: separate pools)")
+    ax.set_title(f"Mamba state copy paths on {dev[0]['device']} by KV-cache layout")
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()

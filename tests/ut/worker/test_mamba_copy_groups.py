@@ -6,7 +6,8 @@ accepted-token bias) recorded as the collector records them and copied whole
 batch or layer by layer. The oracle applies, in pair order (request, KV-cache
 group, layer, state), a memmove of the byte ranges vLLM's own copy functions
 describe, to a snapshot of every storage; the bytes must be equal. Hypothesis
-draws the layout (vllm-ascend's raw KV-cache tensor per layer, separate pools,
+draws the layout (vllm-ascend's raw KV-cache tensor per layer, one allocation
+for all layers with the KV-cache groups' layers aliased, separate pools,
 conv-only and temporal-only models, odd row sizes with storages whose length
 is not a multiple of the row), one or two KV-cache groups, shifts, shared
 blocks, duplicate destinations and chains, and each case runs on both copy
@@ -24,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
 
@@ -38,25 +39,33 @@ FUZZ = settings.get_profile(os.environ.get("VLLM_ASCEND_FUZZ_PROFILE", "ci"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # tests/ut stubs torch_npu: its npu is no device
 CONV, TEMPORAL = get_conv_copy_spec, get_temporal_copy_spec
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-# layout: (copy functions, raw tensor per layer?, conv (width, dim), temporal shape, state dtypes, tail bytes)
+# layout: (copy functions, raw tensors ("layer": one per layer, "backing": one for all), conv (width, dim),
+# temporal shape, state dtypes, tail bytes)
 LAYOUTS = {
-    "raw": ((CONV, TEMPORAL), True, (4, 8), (2, 3, 8), (BF16, F32), 0),
-    "separate": ((CONV, TEMPORAL), False, (4, 8), (2, 3, 8), (BF16, F32), 0),
-    "conv_only": ((CONV,), True, (3, 16), None, (BF16,), 0),
-    "temporal_only": ((TEMPORAL,), False, None, (4, 6), (F32,), 0),
-    "odd": ((CONV, TEMPORAL), True, (3, 5), (7,), (F16, F16), 7),  # 10-byte rows, a 7-byte tail
+    "raw": ((CONV, TEMPORAL), "layer", (4, 8), (2, 3, 8), (BF16, F32), 0),
+    "backing": ((CONV, TEMPORAL), "backing", (4, 8), (2, 3, 8), (BF16, F32), 5),
+    "separate": ((CONV, TEMPORAL), None, (4, 8), (2, 3, 8), (BF16, F32), 0),
+    "conv_only": ((CONV,), "layer", (3, 16), None, (BF16,), 0),
+    "temporal_only": ((TEMPORAL,), None, None, (4, 6), (F32,), 0),
+    "odd": ((CONV, TEMPORAL), "layer", (3, 5), (7,), (F16, F16), 7),  # 10-byte rows, a 7-byte tail
 }
 
 
 STRATEGIES = ["direct", "indexed", "one_row_chunks"]
 
 
+def _ranges(t):
+    """The byte ranges of a view: one per row of a (layers, elements) view."""
+    return [(r.data_ptr(), r.data_ptr() + r.nbytes) for r in (t if t.dim() > 1 else [t])]
+
+
 def assert_independent(dsts, srcs):
     """The pairs of one multi-tensor copy run in no order: none may write bytes another pair touches, or its source."""
     for i, dst in enumerate(dsts):
-        lo, hi = dst.data_ptr(), dst.data_ptr() + dst.nbytes
-        others = [t for j, pair in enumerate(zip(dsts, srcs)) for t in (pair if j != i else pair[1:])]
-        bad = [t for t in others if lo < t.data_ptr() + t.nbytes and t.data_ptr() < hi]
+        others = [
+            r for j, pair in enumerate(zip(dsts, srcs)) for t in (pair if j != i else pair[1:]) for r in _ranges(t)
+        ]
+        bad = [(a, b) for lo, hi in _ranges(dst) for a, b in others if lo < b and a < hi]
         assert not bad, f"pair {i} of a multi-tensor copy writes bytes that {len(bad)} other range(s) touch"
 
 
@@ -65,12 +74,12 @@ def strategy(name):
     with pytest.MonkeyPatch.context() as mp:
         if name == "direct":
             foreach_copy = torch._foreach_copy_
-            mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_STORAGE", 10**9)
+            mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", 10**9)
             mp.setattr(
                 torch, "_foreach_copy_", lambda dsts, srcs: assert_independent(dsts, srcs) or foreach_copy(dsts, srcs)
             )
         else:
-            mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_STORAGE", 0)
+            mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", 0)
             if name == "one_row_chunks":
                 mp.setattr(mamba_copy_groups, "GATHER_BYTES", 1)
         yield
@@ -91,16 +100,22 @@ class Model:
             self.storages.append(buf)
             return buf
 
+        page = sum(block_bytes) + 6
+        page += -page % max(d.itemsize for d in dtypes)
+        if raw == "backing":  # vllm-ascend 0.30: layer j of every group in region j of one allocation
+            backing = random_bytes(-(-num_layers // groups) * num_blocks * page + tail)
         for i in range(num_layers):
             states = []
-            if raw:  # vllm-ascend: one int8 tensor per layer, pages of [state 0 | state 1 | pad]
-                page = sum(block_bytes) + 6
-                page += -page % max(d.itemsize for d in dtypes)
-                buf = random_bytes(num_blocks * page + tail)[: num_blocks * page]
+            if raw:  # pages of [state 0 | state 1 | pad]
+                if raw == "backing":
+                    buf = backing[i // groups * num_blocks * page :][: num_blocks * page]
+                else:
+                    buf = random_bytes(num_blocks * page + tail)[: num_blocks * page]
                 offset = 0
                 for shape, nbytes, dtype in zip(shapes, block_bytes, dtypes):
                     strides = [page // dtype.itemsize] + [int(np.prod(shape[k + 1 :])) for k in range(len(shape))]
-                    states.append(buf.view(dtype).as_strided((num_blocks, *shape), strides, offset // dtype.itemsize))
+                    start = (buf.storage_offset() + offset) // dtype.itemsize
+                    states.append(buf.view(dtype).as_strided((num_blocks, *shape), strides, start))
                     offset += nbytes
             else:
                 for shape, nbytes, dtype in zip(shapes, block_bytes, dtypes):
@@ -170,10 +185,12 @@ def steps(draw):
         dest_idx = draw(st.integers(0, length - 1))
         if src_idx == dest_idx and bias == 0:
             continue
-        tables = [
-            draw(st.lists(st.integers(0, num_blocks - 1), min_size=length, max_size=length)) for _ in range(groups)
-        ]
+        # Where groups alias one allocation, vLLM's block pool gives each block to one group at a time.
+        aliased = groups if layout == "backing" else 1
+        ids = st.lists(st.integers(0, num_blocks // aliased - 1), min_size=length, max_size=length)
+        tables = [[b * aliased + g % aliased for b in draw(ids)] for g in range(groups)]
         requests.append((tables, src_idx, dest_idx, bias))
+    assume(requests)
     return layout, groups, num_blocks, requests, draw(st.booleans()), draw(st.sampled_from(STRATEGIES))
 
 
@@ -208,8 +225,9 @@ def test_shifts_shared_blocks_chains_and_duplicate_destinations(layout, layerwis
     assert_equal(model, want)
 
 
-@pytest.mark.parametrize("direct_pairs_per_storage", [0, 10**9])
-def test_temporaries_stay_under_the_cap_whatever_the_batch(monkeypatch, direct_pairs_per_storage):
+@pytest.mark.parametrize("layout", ["raw", "backing"])
+@pytest.mark.parametrize("direct_pairs_per_family", [0, 10**9])
+def test_temporaries_stay_under_the_cap_whatever_the_batch(monkeypatch, direct_pairs_per_family, layout):
     """Staging and gather buffers are allocated in chunks of at most GATHER_BYTES (without the cap they are
     larger), and none outlives its step."""
     empty, sizes, alive = torch.empty, [], []
@@ -220,13 +238,13 @@ def test_temporaries_stay_under_the_cap_whatever_the_batch(monkeypatch, direct_p
         alive.append(weakref.ref(out)) if out.nbytes else None
         return out
 
-    monkeypatch.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_STORAGE", direct_pairs_per_storage)
+    monkeypatch.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", direct_pairs_per_family)
     monkeypatch.setattr(torch, "empty", spy)
     # 8 requests, each a same-block conv shift (staged on the direct path) and a temporal move
     requests = [([[b, b, b + 8]], 0, 0, 1) for b in range(8)] + [([[b, b + 8, b + 8]], 0, 1, 1) for b in range(8)]
     for cap in (10**9, 96):
         monkeypatch.setattr(mamba_copy_groups, "GATHER_BYTES", cap)
-        model = Model("raw", num_blocks=16)
+        model = Model(layout, num_blocks=16)
         sizes.clear()
         for step, layerwise in zip((requests[:8], requests[8:]), (False, True)):
             assert_equal(model, model.run(step, layerwise))
@@ -251,6 +269,6 @@ def test_a_block_outside_the_storage_raises_before_any_copy():
     before = model.snapshot()
     req = SimpleNamespace(block_ids=[[1, 2, 99]])
     assert mamba_copy_groups.record(model.bufs, lambda: model.layers, [0], 0, 2, 1, req)
-    with pytest.raises(IndexError, match="outside its storage"):
+    with pytest.raises(IndexError, match="outside the 10 KV-cache blocks"):
         mamba_copy_groups.copy(model.bufs)
     assert_equal(model, before)

@@ -113,7 +113,9 @@ def make_pools(torch, device, blocks, layers, conv_rows, conv_dim, temporal_shap
     page = conv_bytes + t_numel * 4  # vLLM pads it to the attention page in hybrid models
     regions = -(-layers // GROUPS)
     backing = alloc(regions * blocks * page, dtype=torch.int8, device=device) if layout == "backing" else None
-    shared = [alloc(blocks * page, dtype=torch.int8, device=device) for _ in range(regions)] if layout == "shared" else []
+    shared = (
+        [alloc(blocks * page, dtype=torch.int8, device=device) for _ in range(regions)] if layout == "shared" else []
+    )
     for i in range(layers):
         if layout == "separate":
             conv = alloc(blocks, conv_rows, conv_dim, dtype=torch.bfloat16, device=device)
@@ -182,7 +184,13 @@ class Batch:
         bufs = types.SimpleNamespace()
         for tables, src_idx, dest_idx, bias in self.requests:
             assert mcg.record(
-                bufs, lambda: layers, list(range(GROUPS)), src_idx, dest_idx, bias, types.SimpleNamespace(block_ids=tables)
+                bufs,
+                lambda: layers,
+                list(range(GROUPS)),
+                src_idx,
+                dest_idx,
+                bias,
+                types.SimpleNamespace(block_ids=tables),
             )
         recorded = bufs._mamba_copy_requests
 

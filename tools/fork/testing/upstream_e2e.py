@@ -29,7 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.fork.core.series import Patch, file_sections
+from tools.fork.core import git
+from tools.fork.core.series import Patch, base_tag, file_sections
 from tools.fork.testing import testenv
 from tools.fork.testing.junit import Result, counts, fmt_counts, is_test_file, parse_junit
 from tools.fork.testing.results import compare, print_comparison, print_side_by_side
@@ -313,12 +314,14 @@ def upstream_e2e_step(
         fork_run = run_pass(tenv, cfg.root, fork_tree, version, "fork", fork_files, out)
     except PassError as exc:
         return Step(NAME, "FAILED", str(exc))
-    outcome = judge(files, base["run"], base["import"], fork_run, fork_imports, version)
+    removed = set(git.deleted_paths(fork_tree, base_tag(version), E2E_DIR))  # test files a patch replaces
+    outcome = judge(files, base["run"], base["import"], fork_run, fork_imports, version, removed)
     return summarize(outcome, base["run"], fork_run, time.monotonic() - t0)
 
 
-def judge(files, base_run, base_imports, fork_run, fork_imports, version: str) -> Outcome:
-    """Compare both passes per test id and print it (results.compare, as for tests/ut)."""
+def judge(files, base_run, base_imports, fork_run, fork_imports, version: str, removed=frozenset()) -> Outcome:
+    """Compare both passes per test id and print it (results.compare, as for tests/ut: the tests of a file
+    a patch deletes, ``removed``, are listed as removed, not lost)."""
     outcome = Outcome(files)
     if base_run is None or base_imports is None:
         print(f"fork test: [{NAME}] no base results (--fork-only, none cached): the fork must collect every file")
@@ -328,8 +331,8 @@ def judge(files, base_run, base_imports, fork_run, fork_imports, version: str) -
         for tid, why in outcome.fork_import_errors:
             print(f"  {tid}: does not import on the fork: {why}")
         return outcome
-    outcome.imports = compare(base_imports.results, fork_imports.results, [])
-    outcome.run = compare(base_run.results, fork_run.results, [])
+    outcome.imports = compare(base_imports.results, fork_imports.results, [], removed_files=removed)
+    outcome.run = compare(base_run.results, fork_run.results, [], removed_files=removed)
     outcome.import_only = import_checked_only(base_run.results, base_imports.results)
     print_side_by_side(base_run, fork_run, version, title=f"upstream's {E2E_DIR} tests of the changed modules, run")
     # A file that no longer imports on the fork loses all its tests: named once, with its error.

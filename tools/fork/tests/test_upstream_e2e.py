@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tools.fork.core.series import Patch
+from tools.fork.core.series import Patch, base_tag
 from tools.fork.testing import testenv, upstream_e2e
 from tools.fork.tests.conftest import GIT_ENV
 
@@ -99,6 +99,7 @@ def make_series(tmp: Path, edits: dict[str, str | None], extra=None) -> tuple[Pa
     git(fork, "init", "-q")
     git(fork, "add", "-A")
     git(fork, "commit", "-q", "-m", "upstream")
+    git(fork, "tag", base_tag("1.0.0"))
     write(fork, edits)
     git(fork, "add", "-A")
     git(fork, "commit", "-q", "-m", "[Ops][BugFix] Change the kernel")
@@ -282,9 +283,17 @@ def test_import_results_round_trip_through_junit(tmp_path):
     assert parse_junit((tmp_path / "j.xml").read_text()) == results
 
 
-def test_a_series_that_deletes_upstream_tests_loses_them(harness):
+def test_a_series_that_deletes_upstream_tests_lists_them_as_removed(harness, capsys):
+    # as for tests/ut: a PR may delete a test it makes obsolete; its tests are listed, not judged
     step = harness.step({"vllm_ascend/ops/kern.py": KERN + "\n", E2E_FILE: None, NPU_FILE: None})
-    assert step.failed
-    assert "3 pass on the base and are missing from the fork" in step.detail
-    assert "5 collected on the base and not on the fork" in step.detail
+    out = capsys.readouterr().out
+    assert step.status == "passed", step.detail
+    assert "their file deleted by a patch of the series (not judged)" in out
+    assert f"{E2E_FILE}::test_main" in out
     assert ("run", "fork") not in harness.calls  # no file left to run: nothing else of the tree is collected
+
+
+def test_a_series_that_deletes_some_tests_of_a_file_it_keeps_loses_them(harness):
+    kept = E2E_TEST.replace("def test_main():", "def _main():")
+    step = harness.step({"vllm_ascend/ops/kern.py": KERN + "\n", E2E_FILE: kept})
+    assert step.failed and "1 pass on the base and are missing from the fork" in step.detail

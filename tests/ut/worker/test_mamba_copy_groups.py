@@ -54,7 +54,7 @@ LAYOUTS = {
 STRATEGIES = ["direct", "indexed", "one_row_chunks"]
 
 
-def _ranges(t):
+def _byte_ranges(t):
     """The byte ranges of a view: one per row of a (layers, elements) view."""
     return [(r.data_ptr(), r.data_ptr() + r.nbytes) for r in (t if t.dim() > 1 else [t])]
 
@@ -63,9 +63,9 @@ def assert_independent(dsts, srcs):
     """The pairs of one multi-tensor copy run in no order: none may write bytes another pair touches, or its source."""
     for i, dst in enumerate(dsts):
         others = [
-            r for j, pair in enumerate(zip(dsts, srcs)) for t in (pair if j != i else pair[1:]) for r in _ranges(t)
+            r for j, pair in enumerate(zip(dsts, srcs)) for t in (pair if j != i else pair[1:]) for r in _byte_ranges(t)
         ]
-        bad = [(a, b) for lo, hi in _ranges(dst) for a, b in others if lo < b and a < hi]
+        bad = [(a, b) for lo, hi in _byte_ranges(dst) for a, b in others if lo < b and a < hi]
         assert not bad, f"pair {i} of a multi-tensor copy writes bytes that {len(bad)} other range(s) touch"
 
 

@@ -38,6 +38,10 @@ VERBS = {
         "Deploy the fork into an installed vllm-ascend or a checkout, verify it, revert it.",
     ),
     "pr": ("queue.cmd_pr", "Print a patch of the series as an upstream pull request."),
+    "npu-report": (
+        "npu.cmd_npu_report",
+        "Run the NPU evidence (op tests, race stress with controls, copy-path speed) into one report folder.",
+    ),
     "status": ("queue.cmd_status", "Summarize the pin, the series, build/fork and the wheel."),
 }
 

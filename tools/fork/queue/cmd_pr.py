@@ -10,16 +10,22 @@ Fork-only patches (fork.toml `[patches."NAME"] fork_only = true`) are not for up
 so and prints nothing. `--all` prints every upstreamable patch. The patch itself, for the PR
 branch: `git am --keep-non-patch patches/NAME` on upstream's tree (`export --upstream DIR` writes
 them all).
+
+`--npu-report DIR` (a folder `npu-report` wrote on an NPU) puts that run's lines for the patch at the
+end of "How was this patch tested?", and turns each sentence saying there was no NPU run into a
+pointer to them; a patch the report runs nothing of keeps its text (with a warning).
 """
 
 from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 
 from tools.fork.core import series
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import EXIT_FAILED, BadInput
+from tools.fork.npu import report as npu_report
 
 HELP = __doc__
 
@@ -35,6 +41,8 @@ def add_arguments(p) -> None:
     part = p.add_mutually_exclusive_group()
     part.add_argument("--title", action="store_true", help="print the title only")
     part.add_argument("--body", action="store_true", help="print the body only")
+    p.add_argument("--npu-report", type=Path, metavar="DIR",
+                   help="carry the numbers of this NPU report (`npu-report --out DIR`) in the body")  # fmt: skip
 
 
 def find(cfg: ForkConfig, key: str) -> tuple[int, list[series.Patch]]:
@@ -56,11 +64,20 @@ def find(cfg: ForkConfig, key: str) -> tuple[int, list[series.Patch]]:
     raise BadInput(f"{key!r} matches several patches: " + ", ".join(patches[i].name for i in found))
 
 
-def pull_request(patch: series.Patch) -> tuple[str, str]:
-    """(title, body) of a patch as an upstream pull request."""
+def pull_request(patch: series.Patch, npu: tuple[Path, dict] | None = None) -> tuple[str, str, list[str]]:
+    """(title, body, notes) of a patch as an upstream pull request; `npu`: (folder, record) of an NPU report
+    whose lines the body then carries."""
     info = patch.info
     body = SIGNOFF_RE.sub("", info.message).strip() + "\n"
-    return info.subject, body
+    notes = []
+    if npu is not None:
+        folder, rec = npu
+        entry = npu_report.npu_entry(rec, folder, patch.name, info.subject)
+        if entry["lines"]:
+            body = npu_report.with_npu_run(body, entry, rec["date"])
+        else:
+            notes.append(f"{folder} runs nothing this patch changes: its text is unchanged")
+    return info.subject, body, notes
 
 
 def warnings(patch: series.Patch, body: str) -> list[str]:
@@ -71,8 +88,8 @@ def warnings(patch: series.Patch, body: str) -> list[str]:
     return out
 
 
-def _print(patch: series.Patch, index: int, total: int, cfg: ForkConfig, args) -> bool:
-    title, body = pull_request(patch)
+def _print(patch: series.Patch, index: int, total: int, cfg: ForkConfig, args, npu=None) -> bool:
+    title, body, notes = pull_request(patch, npu)
     if args.all:  # which patch each text is; a single `pr N` prints nothing but the text to paste
         print(
             f"fork pr: patch {index + 1}/{total} {patch.name} (vllm-ascend {cfg.pin.version}; "
@@ -85,7 +102,7 @@ def _print(patch: series.Patch, index: int, total: int, cfg: ForkConfig, args) -
         print(body, end="")
     else:
         print(f"{title}\n\n{body}", end="")
-    problems = warnings(patch, body)
+    problems = notes + warnings(patch, body)
     for msg in problems:
         print(f"fork pr: warning: {msg}", file=sys.stderr)
     return not problems
@@ -94,6 +111,7 @@ def _print(patch: series.Patch, index: int, total: int, cfg: ForkConfig, args) -
 def run(args, cfg: ForkConfig) -> int:
     if args.all == bool(args.patch):
         raise BadInput("give one patch (N or a name) or --all")
+    npu = (args.npu_report, npu_report.load_record(args.npu_report)) if args.npu_report else None
     if args.all:
         patches = series.read(cfg)
         ok, shown = True, 0
@@ -105,7 +123,7 @@ def run(args, cfg: ForkConfig) -> int:
                 continue
             if shown:
                 print("\n" + "=" * 78 + "\n")
-            ok = _print(p, i, len(patches), cfg, args) and ok
+            ok = _print(p, i, len(patches), cfg, args, npu) and ok
             shown += 1
         return 0 if ok else EXIT_FAILED
     index, patches = find(cfg, args.patch)
@@ -115,4 +133,4 @@ def run(args, cfg: ForkConfig) -> int:
             f"patch {index + 1} {patch.name} is fork-only ({cfg.fork_only[patch.name]}); it is not sent upstream "
             "(fork.toml marks it so)"
         )
-    return 0 if _print(patch, index, len(patches), cfg, args) else EXIT_FAILED
+    return 0 if _print(patch, index, len(patches), cfg, args, npu) else EXIT_FAILED

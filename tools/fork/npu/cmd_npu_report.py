@@ -53,24 +53,48 @@ SMOKE_TESTS_PER_FILE = 2
 
 def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=None, help="the report's folder (default: build/npu-report-DEVICE)")
-    p.add_argument("--device", choices=DEVICES, default="npu",
-                   help="npu (default); cuda: the NPU mapped to a CUDA GPU; cpu: small mode under the interpreter")
-    p.add_argument("--python", default=sys.executable,
-                   help="the Python that runs the phases: torch (torch_npu, triton-ascend on an NPU), pytest, "
-                   "hypothesis (default: this one)")
-    p.add_argument("--fork-tree", help="the fork's kernels: a tree (default build/fork), or `installed`: "
-                   "the vllm_ascend that --python imports (test files then from build/fork)")
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="npu",
+        help="npu (default); cuda: the NPU mapped to a CUDA GPU; cpu: small mode under the interpreter",
+    )
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the Python that runs the phases: torch (torch_npu, triton-ascend on an NPU), pytest, "
+        "hypothesis (default: this one)",
+    )
+    p.add_argument(
+        "--fork-tree",
+        help="the fork's kernels: a tree (default build/fork), or `installed`: "
+        "the vllm_ascend that --python imports (test files then from build/fork)",
+    )
     p.add_argument("--base-tree", help="the unpatched base's kernels (default build/base-PIN: `apply --base-only`)")
     p.add_argument("--plan", type=Path, help="run a plan written by --stage (its trees, no git or registry needed)")
-    p.add_argument("--stage", type=Path, metavar="DIR", help="copy the trees' files the phases need into DIR with "
-                   "its plan, run nothing")
-    p.add_argument("--phases", help=f"comma-separated, `all` for every one (default: "
-                   f"{','.join(s.name for s in ph.PHASES if s.default)}; also: "
-                   f"{','.join(s.name for s in ph.PHASES if not s.default)})")
-    p.add_argument("--budget", type=float, help="seconds for the whole run; a phase gets the smaller of its own "
-                   "limit and what is left")
-    p.add_argument("--max-tests-per-file", type=int, default=None,
-                   help=f"run the first N tests of each test file (default: all; {SMOKE_TESTS_PER_FILE} on cpu)")
+    p.add_argument(
+        "--stage",
+        type=Path,
+        metavar="DIR",
+        help="copy the trees' files the phases need into DIR with its plan, run nothing",
+    )
+    p.add_argument(
+        "--phases",
+        help=f"comma-separated, `all` for every one (default: "
+        f"{','.join(s.name for s in ph.PHASES if s.default)}; also: "
+        f"{','.join(s.name for s in ph.PHASES if not s.default)})",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for the whole run; a phase gets the smaller of its own limit and what is left",
+    )
+    p.add_argument(
+        "--max-tests-per-file",
+        type=int,
+        default=None,
+        help=f"run the first N tests of each test file (default: all; {SMOKE_TESTS_PER_FILE} on cpu)",
+    )
     p.add_argument("--bench-args", default="", help="more arguments for benchmarks/copy_paths.py (e.g. --sweep)")
 
 
@@ -79,7 +103,7 @@ def _say(msg: str) -> None:
 
 
 def _installed_root(python: str) -> Path:
-    code = "import importlib.util as u; s = u.find_spec('vllm_ascend'); print(s.submodule_search_locations[0] if s else '')"
+    code = "import importlib.util as u; s = u.find_spec('vllm_ascend'); s and print(s.submodule_search_locations[0])"
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0 or not proc.stdout.strip():
         raise BadInput(f"--fork-tree installed: {python} has no vllm_ascend (install the fork first, README)")
@@ -140,6 +164,16 @@ def _prepare_out(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _command(args, out: Path) -> str:
+    """The command line of this run, for the report."""
+    words = ["python3 -m tools.fork npu-report", f"--device {args.device}", f"--out {shlex.quote(str(out))}"]
+    for option in ("plan", "fork_tree", "base_tree", "phases", "budget", "max_tests_per_file", "bench_args"):
+        value = getattr(args, option)
+        if value not in (None, ""):
+            words.append(f"--{option.replace('_', '-')} {shlex.quote(str(value))}")
+    return " ".join(words)
+
+
 def run(args, cfg: ForkConfig) -> int:
     if args.max_tests_per_file is not None and args.max_tests_per_file < 0:
         raise BadInput("--max-tests-per-file must be 0 (all) or more")
@@ -166,7 +200,7 @@ def run(args, cfg: ForkConfig) -> int:
         bench_args=shlex.split(args.bench_args),
     )  # fmt: skip
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    command = "python3 -m tools.fork npu-report " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    command = _command(args, out)
     _say(f"{report.environment_line(found)}; {len(plan.op_tests)} op test file(s); report in {out}")
     results: dict[str, ph.PhaseResult] = {}
 

@@ -9,15 +9,16 @@ files whose patches the phase gives evidence for (report.py maps phases to patch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from tools.fork.npu.plan import Plan
 from tools.fork.testing.junit import JUNIT_FAMILY, Result, parse_junit
@@ -150,15 +151,11 @@ def execute(ctx: Context, phase: str, run: Run, deadline: float) -> RunResult:
     result = RunResult(run.label, run.control, None if stopped else proc.returncode, time.monotonic() - t0,
                        str(log.relative_to(ctx.out)), stopped)  # fmt: skip
     if run.json is not None and run.json.is_file():
-        try:
+        with contextlib.suppress(ValueError):
             result.data = json.loads(run.json.read_text())
-        except ValueError:
-            pass
     if run.junit is not None and run.junit.is_file():
-        try:
+        with contextlib.suppress(Exception):  # a junit file cut short by a kill
             result.tests = parse_junit(run.junit.read_text())
-        except Exception:  # a junit file cut short by a kill
-            pass
     return result
 
 
@@ -196,8 +193,8 @@ def pytest_argv(ctx: Context, kernels: str, files: list[str], junit: Path, plugi
     tests = ctx.plan.tests_tree
     return [
         ctx.python, "-m", "pytest", "-q", "-rfE", "--tb=short", "--noconftest", "-p", "tools.kernel_harness.plugin",
-        *NPU_MAPPING[ctx.device], *plugins, *_first_tests(ctx), "-p", "no:cacheprovider", "-o", JUNIT_FAMILY, f"--junitxml={junit}",
-        f"--rootdir={tests}", f"--kernel-tree={kernels}", "--continue-on-collection-errors",
+        *NPU_MAPPING[ctx.device], *plugins, *_first_tests(ctx), "-p", "no:cacheprovider", "-o", JUNIT_FAMILY,
+        f"--junitxml={junit}", f"--rootdir={tests}", f"--kernel-tree={kernels}", "--continue-on-collection-errors",
         *(str(Path(tests) / f) for f in files),
     ]  # fmt: skip
 

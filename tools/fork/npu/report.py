@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tools.fork.core.errors import BadInput
-from tools.fork.npu.phases import FAILED, NO_CONTROL, OK, PHASES, PhaseResult
+from tools.fork.npu import phases as ph
+from tools.fork.npu.phases import FAILED, NO_CONTROL, OK, PhaseResult
 from tools.fork.npu.plan import Plan
 
 BACKEND_VARIABLE = "VLLM_ASCEND_MAMBA_COPY_BACKEND"
@@ -55,15 +56,18 @@ if device == "npu":
         import torch_npu
         out["torch_npu"] = torch_npu.__version__
     except Exception as exc:
-        print(json.dumps({**out, "error": f"no NPU: torch_npu is not importable by {sys.executable} ({str(exc)[:120]})"}))
+        why = f"no NPU: torch_npu is not importable by {sys.executable} ({str(exc)[:120]})"
+        print(json.dumps({**out, "error": why}))
         sys.exit()
     if not torch.npu.is_available():
         print(json.dumps({**out, "error": "no NPU: torch_npu sees no device (torch.npu.is_available() is False)"}))
         sys.exit()
     out["device"] = torch.npu.get_device_name(0)
     out["triton-ascend"] = version("triton-ascend") or version("triton_ascend")
-    home = os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME") or "/usr/local/Ascend/ascend-toolkit/latest"
-    out["CANN"] = first_version([f"{home}/version.cfg", f"{home}/*/ascend_toolkit_install.info", f"{home}/compiler/version.info"])
+    home = (os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
+            or "/usr/local/Ascend/ascend-toolkit/latest")
+    out["CANN"] = first_version([f"{home}/version.cfg", f"{home}/*/ascend_toolkit_install.info",
+                                 f"{home}/compiler/version.info"])
     out["driver"] = first_version(["/usr/local/Ascend/driver/version.info"])
 elif device == "cuda":
     if not torch.cuda.is_available():
@@ -90,8 +94,11 @@ print(json.dumps(out))
 
 DEVICE_WORDS = {"npu": "NPU", "cuda": "the NPU mapped to the GPU", "cpu": "small mode under the Triton interpreter"}
 # How each patch's lines begin.
-ON_DEVICE = {"npu": "On an NPU", "cuda": "On a CUDA GPU, the op tests' NPU mapped to it",
-             "cpu": "On the CPU, in the small mode under the Triton interpreter (no concurrency, no device speed)"}
+ON_DEVICE = {
+    "npu": "On an NPU",
+    "cuda": "On a CUDA GPU, the op tests' NPU mapped to it",
+    "cpu": "On the CPU, in the small mode under the Triton interpreter (no concurrency, no device speed)",
+}
 
 
 def probe(python: str, device: str, env: dict[str, str], cwd: Path) -> dict:
@@ -177,7 +184,7 @@ def _ms(table: dict, layout: str, backend: str) -> str:
 
 def phase_lines(result: PhaseResult, plan: Plan, patch_files: set[str]) -> list[str]:
     """What a phase shows for one patch, as PR text lines (Markdown bullets)."""
-    spec = next(p for p in PHASES if p.name == result.name)
+    spec = next(p for p in ph.PHASES if p.name == result.name)
     script = f" (`{spec.script}`)" if spec.script else ""
     if result.status not in (OK, NO_CONTROL, FAILED):
         return [f"- {spec.what}{script}: {result.status} ({result.summary})"]
@@ -223,17 +230,14 @@ def patch_lines(plan: Plan, results: dict[str, PhaseResult], env: dict, device: 
             continue
         files = set(patch.files)
         lines = []
-        for spec in PHASES:
+        for spec in ph.PHASES:
             result = results.get(spec.name)
             if result is None:
                 continue
             relevant = spec.name == "op-tests" or set(spec.evidence_for) & files
             if relevant:
                 lines += phase_lines(result, plan, files)
-        head = (
-            f"{ON_DEVICE[device]}: {environment_line(env)}, {date[:10]}, "
-            "`python3 -m tools.fork npu-report`:"
-        )
+        head = f"{ON_DEVICE[device]}: {environment_line(env)}, {date[:10]}, `python3 -m tools.fork npu-report`:"
         out[patch.name] = {"number": patch.number, "title": patch.title, "lines": [head, "", *lines] if lines else []}
     return out
 
@@ -290,7 +294,7 @@ def markdown(r: dict) -> str:
                 cells = " | ".join(f"{ms[b]:.3f}" if b in ms else "-" for b in ("torch", "torch_clone", "memmove"))
                 lines.append(f"| {layout} | {n} | {cells} |")
         lines += ["", "![copy paths](copy_paths.png)", ""]
-    lines += ["## For each upstream PR (paste under \"How was this patch tested?\")", ""]
+    lines += ['## For each upstream PR (paste under "How was this patch tested?")', ""]
     for name, p in r["patches"].items():
         lines += [f"### {p['number']}. {p['title']}", ""]
         lines += p["lines"] or ["(no phase of this report runs what this patch changes)"]
@@ -307,8 +311,10 @@ def record(*, date, device, command, env, plan: Plan, results: dict[str, PhaseRe
         "status": status,
         "command": command,
         "environment": env,
-        "plan": {k: getattr(plan, k) for k in ("version", "tests_tree", "fork_tree", "base_tree", "op_tests",
-                                                "grouped_copy_tests")},  # fmt: skip
+        "plan": {
+            k: getattr(plan, k)
+            for k in ("version", "tests_tree", "fork_tree", "base_tree", "op_tests", "grouped_copy_tests")
+        },  # fmt: skip
         "phases": [asdict(res) for res in results.values()],
         "verdict": {"memmove": v.memmove, "line": v.line, "reasons": v.reasons, "criteria": v.criteria},
         "patches": patch_lines(plan, results, env, device, date),
@@ -334,7 +340,7 @@ def load_record(folder: Path) -> dict:
         rec["patches"], rec["device"], rec["date"]  # noqa: B018 - the keys `pr` reads
         return rec
     except FileNotFoundError:
-        raise BadInput(f"{folder}: no report.json (write one with `python3 -m tools.fork npu-report --out DIR`)") from None
+        raise BadInput(f"{folder}: no report.json (`python3 -m tools.fork npu-report --out DIR` writes one)") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise BadInput(f"{folder}/report.json: not an npu-report record ({exc})") from None
 

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := build/tools-venv
 FORK := $(VENV)/bin/python -m tools.fork
 
-.PHONY: fork test image check lint status clean
+.PHONY: fork test image check lint status clean npu-report
 
 # Get and verify the pinned base, apply patches/, build the fork's wheel, print a summary.
 fork: $(VENV)/.stamp
@@ -47,6 +47,15 @@ lint: $(VENV)/.stamp
 
 status: $(VENV)/.stamp
 	$(FORK) status
+
+# On an Ascend host with torch_npu, triton-ascend and the fork's vllm-ascend installed, PYTHON being
+# the Python that serves: the trees, then the NPU evidence (op tests on fork and base, race stress with
+# controls, the copy paths' speed) and the verdict on `memmove` in build/npu-report-npu/
+# (docs/testing.md, "On an NPU"). More options: NPU_REPORT_ARGS="--budget 1800".
+npu-report:
+	$(PYTHON) -m tools.fork apply
+	$(PYTHON) -m tools.fork apply --base-only
+	$(PYTHON) -m tools.fork npu-report $(NPU_REPORT_ARGS)
 
 $(VENV)/.stamp: tools/requirements.txt
 	$(PYTHON) -m venv $(VENV)

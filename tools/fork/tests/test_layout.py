@@ -9,7 +9,7 @@ from pathlib import Path
 from tools.fork.cli import VERBS
 
 TOOLS = Path(__file__).resolve().parents[2]  # tools/
-FAMILIES = {"queue", "rebase", "follow", "deploy", "testing"}
+FAMILIES = {"queue", "rebase", "follow", "deploy", "testing", "npu"}
 VERB_MODULES = {f"tools.fork.{module}" for module, _ in VERBS.values()}
 
 
@@ -120,8 +120,9 @@ def test_each_verb_is_a_cmd_module_of_a_family_package():
     bad = []
     for verb, (module, _summary) in VERBS.items():
         family, _, name = module.partition(".")
-        if family not in FAMILIES or name != f"cmd_{verb}":
-            bad.append(f"{verb}: tools.fork.{module} (want tools.fork.<family>.cmd_{verb})")
+        want = f"cmd_{verb.replace('-', '_')}"  # npu-report: cmd_npu_report
+        if family not in FAMILIES or name != want:
+            bad.append(f"{verb}: tools.fork.{module} (want tools.fork.<family>.{want})")
     found = {n for n in _modules() if n.rpartition(".")[2].startswith("cmd_")}
     assert not bad and found == VERB_MODULES, (bad, sorted(found ^ VERB_MODULES))
 

@@ -363,3 +363,11 @@ def test_cpu_small_mode_end_to_end(tmp_path):
     assert "small mode under the Triton interpreter" in md and "## Verdict" in md
     assert (out / "logs" / "op-tests-base.xml").is_file() and (out / "json" / "stress-memmove-fork.json").is_file()
     assert rc == (0 if phases["op-tests"]["status"] == "ok" else EXIT_FAILED)
+
+
+def test_corrupted_rows_a_total_or_the_sum_of_records():
+    assert (
+        ph._total({"corrupted_rows": 7, "rows": [{"corrupted_rows": 3}, {"corrupted_rows": 4}]}, "corrupted_rows") == 7
+    )
+    assert ph._total({"trees": {"base": [{"corrupted_rows": 3}, {"corrupted_rows": 4}]}}, "corrupted_rows") == 7
+    assert ph._total([{"corrupted_rows": 0}], "corrupted_rows") == 0

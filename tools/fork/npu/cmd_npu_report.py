@@ -34,6 +34,7 @@ import datetime
 import glob
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,6 +156,8 @@ def _phase_env(device: str, python: str) -> dict[str, str]:
 
 
 def _prepare_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out}: not a folder")
     if out.exists() and any(out.iterdir()) and not (out / "report.json").exists():
         raise BadInput(f"{out} is not empty and holds no NPU report: name an empty or new folder with --out")
     for sub in ("logs", "json"):
@@ -178,6 +181,8 @@ def run(args, cfg: ForkConfig) -> int:
     if args.max_tests_per_file is not None and args.max_tests_per_file < 0:
         raise BadInput("--max-tests-per-file must be 0 (all) or more")
     selected = _selected(args.phases)
+    if shutil.which(args.python) is None:
+        raise BadInput(f"--python {args.python}: no such program")
     plan = _plan(args, cfg)
     if args.stage is not None:
         plans.stage(plan, args.stage.resolve())

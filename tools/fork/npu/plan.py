@@ -120,7 +120,11 @@ def stage(plan: Plan, dest: Path) -> Plan:
     """Copy what the report runs from each tree into `dest/fork` and `dest/base` (the kernels, the
     modules the series touches, the test files), with `dest/npu-plan.json`: a folder that a device
     call can carry beside this repository's working tree (which holds tools/ and benchmarks/)."""
-    if dest.exists():
+    if dest.exists() and not dest.is_dir():
+        raise BadInput(f"--stage {dest}: not a folder")
+    if dest.is_dir() and any(dest.iterdir()):
+        if not (dest / PLAN_FILE).is_file():  # never empty a folder this did not write
+            raise BadInput(f"--stage {dest}: not empty and not a staged folder: name a new one")
         shutil.rmtree(dest)
     touched = {f for p in plan.patches for f in p.files}
     tests = {*plan.op_tests, *plan.grouped_copy_tests}

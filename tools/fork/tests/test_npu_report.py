@@ -86,6 +86,12 @@ def test_plan_is_derived_from_the_series(tmp_path, monkeypatch):
     ).read_text()
     assert "barrier()" not in (tmp_path / "staged/base/vllm_ascend/ops/copy.py").read_text()
     assert again.op_tests == plan.op_tests
+    # a folder it did not write is never emptied
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("x")
+    r = fork.cli("npu-report", "--stage", str(tmp_path / "mine"))
+    assert r.rc == EXIT_BAD_INPUT and (tmp_path / "mine" / "keep.txt").is_file()
+    assert fork.ok("npu-report", "--stage", str(tmp_path / "staged")).rc == 0  # its own: written again
 
 
 def test_no_base_tree_is_one_line(tmp_path, monkeypatch):
@@ -273,6 +279,8 @@ def test_no_npu_is_one_line(tmp_path, monkeypatch):
     assert r.rc == EXIT_FAILED and len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
     assert ("no NPU" in r.err or "torch is not importable" in r.err) and "--device cuda" in r.err
     assert not (tmp_path / "out").exists()
+    r = fork.cli("npu-report", "--python", str(tmp_path / "no-python"), "--device", "cpu")
+    assert r.rc == EXIT_BAD_INPUT and "no such program" in r.err and "Traceback" not in r.err
 
 
 # --- pr --npu-report ------------------------------------------------------------------------------

@@ -299,7 +299,10 @@ def markdown(r: dict) -> str:
         lines += [f"### {p['number']}. {p['title']}", ""]
         lines += p["lines"] or ["(no phase of this report runs what this patch changes)"]
         lines.append("")
-    lines += ["## Files", "", "`report.json` (everything above), `json/` (the runs' records), `logs/` (their output)."]
+    what = "Test files (from the series: the op tests it adds or changes, upstream's that import a module it changes; "
+    lines += ["## What ran", "", what + "the grouped copy's tests):", ""]
+    lines += [f"- `{f}`" for f in (*r["plan"]["op_tests"], *r["plan"]["grouped_copy_tests"])]
+    lines += ["", "`report.json` holds everything above, `json/` the runs' records, `logs/` their output."]
     return "\n".join(lines) + "\n"
 
 

@@ -244,7 +244,7 @@ def _judge_op_tests(ctx: Context, runs: list[RunResult]):
         "caught_on_base": caught,
     }
     passed = sum(1 for r in fork.values() if r.outcome == "passed")
-    summary = f"fork: {passed} passed, {len(bad)} failed of {len(fork)}; base kernels: {len(caught)} fail"
+    summary = f"fork: {passed} passed, {len(bad)} failed or errors of {len(fork)}; base kernels: {len(caught)} fail"
     summary += f" where the fork passes; {len(broken_both)} fail on both (not judged)" if broken_both else ""
     if not fork:
         return FAILED, "the fork's run reported no test (see its log)", details

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: op tests, stress runs, align-mode trace stress and the benchmark.
 #
-#   bash benchmarks/device_run.sh OUTDIR [tests] [memmove] [groups] [stress] [bench] [micro] [trace] [fused_tests] [fused_stress] [fused_bench] [trace_seconds=N]
+#   bash benchmarks/device_run.sh OUTDIR [tests] [guard] [memmove] [groups] [stress] [bench] [micro] [trace] [fused_tests] [fused_stress] [fused_bench] [trace_seconds=N]
 #   (BENCH_ARGS: extra copy_paths.py arguments, e.g. --sweep or --backends ...)
 #
 # Run from a tree laid out like this repository (tools/kernel_harness, benchmarks/, the overlay)
@@ -48,6 +48,25 @@ for phase in "${PHASES[@]}"; do
                 build/fork/$OPS/test_mamba_state_copy.py >"$OUT/tests_base_postprocess.log" 2>&1
             echo "base tree (unguarded) postprocess test exit: $? (expected non-zero)"
             tail -3 "$OUT/tests_base_postprocess.log"
+            ;;
+        guard)
+            # batch_memcpy_kernel's left-overlap guard: the same-pair shift stress on the base (the control, expected
+            # to corrupt) and the fork, then the op test's shift case with each tree's kernel (base expected to fail).
+            timeout 300 $PY benchmarks/stress_batch_memcpy.py --tree build/base --tree build/fork \
+                --json "$OUT/guard_stress.json" >"$OUT/guard_stress.log" 2>&1 || status=1
+            grep '^total' "$OUT/guard_stress.log" || tail -3 "$OUT/guard_stress.log"
+            for tree in fork base; do
+                timeout 240 $PY -m pytest -p tools.kernel_harness.plugin -p benchmarks.npu_as_cuda --noconftest \
+                    --kernel-tree "build/$tree" -q -rf -p no:cacheprovider --junitxml "$OUT/guard_tests_$tree.xml" \
+                    build/fork/$OPS/test_batch_memcpy.py >"$OUT/guard_tests_$tree.log" 2>&1
+                rc=$?
+                if [ "$tree" = fork ]; then
+                    [ $rc -eq 0 ] || status=1
+                    echo "batch_memcpy op tests on fork: $(tail -1 "$OUT/guard_tests_$tree.log")"
+                else
+                    echo "batch_memcpy op tests on base: exit $rc (expected non-zero): $(tail -1 "$OUT/guard_tests_$tree.log")"
+                fi
+            done
             ;;
         memmove)
             # The memmove kernel on the device against its numpy memmove oracle, through vllm-ascend's

@@ -23,8 +23,8 @@ TOOLING_TESTS = "tools/fork/tests"
 # Kernel op tests that fail deterministically under the interpreter on a kernel without the series'
 # fix, as `pytest -k` expressions per file: on an unpatched base they must fail, or the CPU ring
 # could no longer catch that regression. The DS conv rows with TEMPORAL_TILES > 1: a kernel without
-# the tile-0 conv guard shifts them once per tile program (patch 2). A base whose kernel lacks DS
-# rows or tiles collects none of them, and has nothing to prove.
+# the tile-0 conv guard shifts them once per tile program (the fused kernels' shared copy body
+# patch). A base whose kernel lacks DS rows or tiles collects none of them, and has nothing to prove.
 BASE_MUST_FAIL = {f"{KERNEL_TEST_DIR}/test_mamba_state_copy.py": "ds and tiles4"}
 
 

@@ -303,8 +303,9 @@ def upstream_e2e_step(
         if all(base.values()):
             print(f"fork test: [{NAME}] base results cached ({caches['run'].name}, {caches['import'].name})")
         elif not fork_only:
-            base["import"] = base["import"] or import_pass(tenv, base_tree, version, "base", base_files, out)
-            store_cached(base["import"], caches["import"])
+            if base["import"] is None:  # cached alone when a run stopped during the base's run pass
+                base["import"] = import_pass(tenv, base_tree, version, "base", base_files, out)
+                store_cached(base["import"], caches["import"])
             if base["run"] is None:
                 base["run"] = run_pass(tenv, cfg.root, base_tree, version, "base", base_files, out)
                 store_cached(base["run"], caches["run"])

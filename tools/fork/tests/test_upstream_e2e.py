@@ -254,6 +254,22 @@ def test_base_results_are_cached(harness):
     assert harness.calls[len(first) :] == [("import", "fork"), ("run", "fork")]  # the base's came from the cache
 
 
+def test_a_run_stopped_in_the_base_run_pass_resumes_from_the_cached_import_check(harness, monkeypatch):
+    edits = {"vllm_ascend/ops/kern.py": KERN + "\n"}
+    run_pass = upstream_e2e.run_pass
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(upstream_e2e, "run_pass", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        harness.step(edits)
+    monkeypatch.setattr(upstream_e2e, "run_pass", run_pass)
+    first = len(harness.calls)
+    assert harness.step(edits).status == "passed"
+    assert harness.calls[first:] == [("run", "base"), ("import", "fork"), ("run", "fork")]
+
+
 def test_fork_only_without_cached_base_results_checks_the_fork_imports(harness, capsys):
     step = harness.step(
         {"vllm_ascend/ops/kern.py": KERN.replace("def npu_helper(x):\n    return x * 2\n\n\n", "")}, fork_only=True

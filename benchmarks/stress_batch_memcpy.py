@@ -169,6 +169,7 @@ def main(argv=None) -> int:
             "versions": versions(),
             "smoke": smoke,
             "trees": {label: str(tree) for label, tree in zip(kernels, trees)},
+            "corrupted_rows": sum(t["corrupted_rows"] for t in summary.values()),
             "totals": summary,
             "cases": [asdict(o) for o in outcomes],
         }

@@ -175,6 +175,8 @@ def restore_originals(root: Path, holder: Path, manifest: dict) -> None:
     for rel, original, _deployed in _entries(manifest):
         path = root / rel
         if sha256(read(path)) == original:
+            if original is None:  # a folder made for it, just before a kill, goes too
+                prune_empty_dirs(path.parent, root)
             continue
         if original is None:
             path.unlink(missing_ok=True)

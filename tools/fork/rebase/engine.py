@@ -25,11 +25,14 @@ from tools.fork.rebase.state import (
     Item,
     Result,
     State,
+    digest,
     in_progress_message,
+    protected_files,
     require_unchanged,
     workdir,
 )
-from tools.fork.rebase.write import finish
+from tools.fork.core.txn import discard
+from tools.fork.rebase.write import finish, restore_old
 
 _NOTHING_CHANGED = "Nothing was changed (build/rebase removed); run the rebase again."
 
@@ -55,9 +58,31 @@ def sigterm_as_interrupt():
 def abort(cfg: ForkConfig) -> int:
     work = workdir(cfg)
     if not work.exists():
+        discard(work)  # what a killed abort left (build/rebase.fork-trash)
         raise BadInput("no rebase in progress (build/rebase does not exist)")
-    shutil.rmtree(work)
-    print("fork rebase: aborted; build/rebase removed. patches/, fork.toml and the overlay were not changed.")
+    try:
+        st = State.load(work)
+    except InProgress:
+        st = None
+    if st is not None and st.phase in ("writing", "written", "aborting"):
+        # The write began: put the old files back (a kill in here is finished by the next --abort).
+        st.phase = "aborting"
+        st.save(work)
+        restored = restore_old(cfg, work)
+    else:
+        restored = False
+    discard(work)
+    if st is not None and digest(protected_files(cfg)) == st.digest:
+        what = (
+            "the rebase's write was undone: patches/, fork.toml and the overlay are as before it (checked)"
+            if restored
+            else "patches/, fork.toml and the overlay were not changed (checked)"
+        )
+    elif st is None:
+        what = "its state was unreadable: check patches/, fork.toml and the overlay with `git status`"
+    else:
+        what = "patches/, fork.toml or the overlay differ from when the rebase started (edited since?); left as they are"
+    print(f"fork rebase: aborted; build/rebase removed. {what}.")
     return 0
 
 
@@ -66,6 +91,7 @@ def start(cfg: ForkConfig, args, *, seen: list | None = None) -> int:
     work = workdir(cfg)
     if work.exists():
         raise InProgress(in_progress_message(cfg))
+    discard(work)  # what a killed --abort or a finished rebase left half-deleted (build/rebase.fork-trash)
     version = upstream.require_version(args.onto, "--onto")
     if version == cfg.pin.version:
         raise BadInput(f"the series is already on vllm-ascend {version} (the pin); nothing to rebase")
@@ -251,6 +277,10 @@ def resume(cfg: ForkConfig, *, test: bool = False, no_test: bool = False) -> int
     st.test = st.test or test
     st.no_test = st.no_test or no_test
     tree = work / "tree"
+    if st.phase == "aborting":
+        raise InProgress(
+            "a `rebase --abort` was cut short: run `python -m tools.fork rebase --abort` again to finish it"
+        )
     if st.phase == "test" and st.stopped:
         require_unchanged(cfg, st)
         dirty = git.dirty_summary(tree, untracked=False)

@@ -112,9 +112,15 @@ def discard(path: Path) -> None:
     """Delete a folder of the tool's own so that a kill midway leaves nothing half-deleted under its
     name: renamed to `<path>.fork-trash` first (one step), then removed. A trash a killed run left
     is removed too."""
+    remove_trash(path)
     trash = path.with_name(path.name + TRASH_SUFFIX)
-    if trash.exists():
-        shutil.rmtree(trash)
     if path.exists():
         os.replace(path, trash)
+        shutil.rmtree(trash)
+
+
+def remove_trash(path: Path) -> None:
+    """Remove what a run killed inside `discard(path)` left (`<path>.fork-trash`)."""
+    trash = path.with_name(path.name + TRASH_SUFFIX)
+    if trash.exists():
         shutil.rmtree(trash)

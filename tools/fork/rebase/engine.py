@@ -31,7 +31,7 @@ from tools.fork.rebase.state import (
     require_unchanged,
     workdir,
 )
-from tools.fork.core.txn import discard
+from tools.fork.core.txn import TRASH_SUFFIX, discard, remove_trash
 from tools.fork.rebase.write import finish, restore_old
 
 _NOTHING_CHANGED = "Nothing was changed (build/rebase removed); run the rebase again."
@@ -72,6 +72,7 @@ def abort(cfg: ForkConfig) -> int:
     else:
         restored = False
     discard(work)
+    remove_trash(cfg.default_fork_dir())  # a rebase killed while installing its tree as build/fork
     if st is not None and digest(protected_files(cfg)) == st.digest:
         what = (
             "the rebase's write was undone: patches/, fork.toml and the overlay are as before it (checked)"
@@ -272,6 +273,11 @@ def _record(work: Path, st: State, tree: Path, result: Result) -> None:
 def resume(cfg: ForkConfig, *, test: bool = False, no_test: bool = False) -> int:
     work = workdir(cfg)
     if not work.exists():
+        if work.with_name(work.name + TRASH_SUFFIX).exists():  # killed while removing a finished rebase's work
+            remove_trash(work)
+            remove_trash(cfg.default_fork_dir())
+            print("fork rebase: done (the result was already written; removed what was left of build/rebase).")
+            return 0
         raise BadInput("no rebase in progress (build/rebase does not exist); start one with `rebase --onto VERSION`")
     st = State.load(work)
     st.test = st.test or test

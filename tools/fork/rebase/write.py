@@ -280,14 +280,10 @@ def _install_tree(cfg: ForkConfig, tree: Path, st: State) -> None:
     git.run(["update-ref", "-d", OLD_REF], tree, check=False)
     git.run(["tag", "-d", base_tag(st.old_pin)], tree, check=False)
     fork = cfg.default_fork_dir()
-    if fork.exists():
-        if git.is_repo(fork) and not materialize.local_edits(fork):
-            discard(fork)
-        else:
-            print(
-                f"fork rebase: note: {fork} was left as it is (it has local edits); `apply --force` re-materializes it"
-            )
-            return
+    if fork.exists() and not (git.is_repo(fork) and not materialize.local_edits(fork)):
+        print(f"fork rebase: note: {fork} was left as it is (it has local edits); `apply --force` re-materializes it")
+        return
+    discard(fork)  # also what a run killed here left (build/fork.fork-trash)
     fork.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tree, fork)
     patches = series.read(cfg)

@@ -90,7 +90,8 @@ _real_popen_init = subprocess.Popen.__init__
 
 def _popen_init(self, args, *a, **kw):
     argv = [os.fsdecode(x) for x in args] if isinstance(args, (list, tuple)) else [str(args)]
-    if argv and os.path.basename(argv[0]) == "git" and "am" in argv[1:4]:
+    verb = next((a for i, a in enumerate(argv[1:], 1) if not a.startswith("-") and argv[i - 1] != "-c"), None)
+    if argv and os.path.basename(argv[0]) == "git" and verb == "am" and "--abort" not in argv:
         _step("git am", os.path.join(kw.get("cwd") or _real_getcwd(), ".git"))
     _real_popen_init(self, args, *a, **kw)
 

@@ -25,15 +25,21 @@ from __future__ import annotations
 from pathlib import Path
 from shlex import quote
 
-from tools.fork.core import upstream
+from tools.fork.core import lock, upstream
 from tools.fork.core.config import ForkConfig
-from tools.fork.core import lock
 from tools.fork.core.errors import EXIT_FAILED, EXIT_OK, BadInput, ForkError
 from tools.fork.deploy import journal
-from tools.fork.deploy.checkout import deploy_checkout, revert_checkout
+from tools.fork.deploy.checkout import deploy_checkout, recover_checkout, revert_checkout
 from tools.fork.deploy.expected import PACKAGE, expected
 from tools.fork.deploy.package import Row, deploy_package, record_problems, recover, revert_package, verify_rows
-from tools.fork.deploy.target import CHECKOUT_STATE, Target, base_version, find_target, refuse_if_deployed
+from tools.fork.deploy.target import (
+    CHECKOUT_STATE,
+    Target,
+    base_version,
+    find_target,
+    load_json,
+    refuse_if_deployed,
+)
 
 HELP = __doc__
 
@@ -127,14 +133,22 @@ def _run_locked(args, cfg, target: Target) -> int:
         st = journal.state(journal.Dirs(target.backup))
         if st not in ("clean", "deployed"):
             raise ForkError(journal.interrupted_message(journal.Dirs(target.backup), target.package, st))
+    if target.kind == "checkout" and args.verify:
+        state = load_json(target.root / ".git" / CHECKOUT_STATE)
+        if state is not None and not state.get("post_head"):
+            root = quote(str(target.root))
+            raise ForkError(
+                f"a deploy into {root} was interrupted; `deploy --revert {root}` rolls it back, "
+                f"`deploy --to {root}` rolls it back and deploys"
+            )
     finished = None
-    if target.kind == "package" and not args.verify:
-        finished = recover(target)
+    if not args.verify:
+        finished = recover(target) if target.kind == "package" else recover_checkout(target)
         if finished:
             print(f"fork deploy{' ' + verb if verb else ''}: {finished}")
     if args.revert:
         done = (
-            revert_checkout(target, force=args.force)
+            revert_checkout(target, force=args.force, recovered=bool(finished))
             if target.kind == "checkout"
             else revert_package(target, force=args.force, recovered=bool(finished))
         )

@@ -119,7 +119,9 @@ def load_manifest(path: Path) -> dict:
         ):
             problems.append("'files' missing or without path/original_sha256/fork_sha256")
         pycache = data.get("pycache", [])
-        if not isinstance(pycache, list) or not all(isinstance(p, dict) and {"path", "sha256"} <= set(p) for p in pycache):
+        if not isinstance(pycache, list) or not all(
+            isinstance(p, dict) and {"path", "sha256"} <= set(p) for p in pycache
+        ):
             problems.append("'pycache' without path/sha256")
         record = data.get("record")
         if record is not None and not (

@@ -185,6 +185,9 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
     return [f"{ch.status} {ch.path}" for ch in changing]
 
 
+_REINSTALL = "reinstall vllm-ascend (pip install --force-reinstall --no-deps vllm-ascend==VERSION), then rm -rf"
+
+
 def _unwritable(exc: OSError, target: Target) -> ForkError:
     where = quote(str(exc.filename or target.root))
     return ForkError(
@@ -211,7 +214,10 @@ def revert_package(target: Target, *, force: bool = False, recovered: bool = Fal
             f"no deploy backup for {target.package} ({quote(str(target.backup / MANIFEST))} not found): nothing "
             "to revert. Only what `deploy --to` changed can be reverted."
         )
-    manifest = journal.load_manifest(target.backup / MANIFEST)
+    try:
+        manifest = journal.load_manifest(target.backup / MANIFEST)
+    except BadInput as exc:
+        raise BadInput(f"{exc}; it cannot be reverted from there: {_REINSTALL} {quote(str(target.backup))}") from None
     edited, done = [], []
     for f in manifest["files"]:
         have = sha256(read(target.file(f["path"])))
@@ -231,7 +237,7 @@ def revert_package(target: Target, *, force: bool = False, recovered: bool = Fal
             state = "missing" if not saved.is_file() else "damaged (sha256 mismatch)"
             raise ForkError(
                 f"the backup of {rel} is {state} ({quote(str(saved))}); not reverting, nothing was changed. "
-                "Reinstall vllm-ascend instead (pip install --force-reinstall --no-deps vllm-ascend==VERSION)"
+                f"{_REINSTALL} {quote(str(target.backup))}"
             )
     if edited and not force:
         raise LocalEdits.revert_refused(

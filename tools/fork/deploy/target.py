@@ -171,7 +171,8 @@ def refuse_if_deployed(target: Target) -> None:
     state = target.root / ".git" / CHECKOUT_STATE
     if target.kind == "checkout" and state.exists():
         raise AlreadyDeployed(
-            f"{target.root}: the series is already deployed ({state}); `deploy --revert {quote(str(target.root))}` first"
+            f"{target.root}: the series is already deployed ({state}); "
+            f"`deploy --revert {quote(str(target.root))}` first"
         )
 
 

@@ -16,6 +16,7 @@ from tools.fork.core import git, series, upstream
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import EXIT_CONFLICT, BadInput, ForkError, InProgress
 from tools.fork.core.series import base_tag
+from tools.fork.core.txn import TRASH_SUFFIX, discard, remove_trash
 from tools.fork.rebase import apply as rebase_apply
 from tools.fork.rebase import report as rebase_report
 from tools.fork.rebase.prepare import announce_first_use, is_older, require_no_unexported_edits, setup
@@ -31,7 +32,6 @@ from tools.fork.rebase.state import (
     require_unchanged,
     workdir,
 )
-from tools.fork.core.txn import TRASH_SUFFIX, discard, remove_trash
 from tools.fork.rebase.write import finish, restore_old
 
 _NOTHING_CHANGED = "Nothing was changed (build/rebase removed); run the rebase again."
@@ -79,10 +79,15 @@ def abort(cfg: ForkConfig) -> int:
             if restored
             else "patches/, fork.toml and the overlay were not changed (checked)"
         )
-    elif st is None:
-        what = "its state was unreadable: check patches/, fork.toml and the overlay with `git status`"
+    elif st is None:  # state.json is replaced atomically and saved before any write: none began
+        what = (
+            "it was cut short before it saved its state (build/rebase/state.json), so it wrote nothing to "
+            "patches/, fork.toml or the overlay"
+        )
     else:
-        what = "patches/, fork.toml or the overlay differ from when the rebase started (edited since?); left as they are"
+        what = (
+            "patches/, fork.toml or the overlay differ from when the rebase started (edited since?); left as they are"
+        )
     print(f"fork rebase: aborted; build/rebase removed. {what}.")
     return 0
 

@@ -16,7 +16,6 @@ from tools.fork.rebase.report import failure, loud, print_table, written_but
 from tools.fork.rebase.state import OLD_REF, State, digest, protected_files, require_unchanged
 from tools.fork.testing.session import RunOptions, run_tests
 
-
 JOURNAL = "write"  # build/rebase/write/: new/<path> staged, old/<path> the files it replaces, journal.json
 
 

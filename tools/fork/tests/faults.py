@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 
-HOOK = r'''
+HOOK = r"""
 import builtins, io, os, signal, subprocess, time
 
 _ROOTS = [os.path.realpath(r) for r in os.environ.get("FORK_FAULT_ROOTS", "").split(os.pathsep) if r]
@@ -97,7 +97,7 @@ def _popen_init(self, args, *a, **kw):
 
 
 subprocess.Popen.__init__ = _popen_init
-'''
+"""
 
 
 def install_hook(folder: Path) -> Path:

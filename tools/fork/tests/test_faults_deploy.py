@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import shutil
 import subprocess
 import time
@@ -26,7 +27,7 @@ from tools.fork.tests.faults import Faulty, install_hook, kill_points
 
 
 def record_true(site) -> list[str]:
-    """What is wrong with RECORD: a hash that does not match its file, a file of the package or the backup not listed."""
+    """What is wrong with RECORD: a hash that does not match its file, a file of the package or backup not listed."""
     (dist,) = site.glob("vllm_ascend-*.dist-info")
     rows = {r[0]: r for r in csv.reader(io.StringIO((dist / "RECORD").read_text())) if r}
     problems = []
@@ -88,6 +89,8 @@ def test_killed_at_every_step_recovers(repo, capsys, env, tmp_path, verb):
     steps = env["steps"][verb]
     assert len(steps) > 10, steps  # the hook sees the steps (a hook that counts nothing tests nothing)
     faulty, args = env["faulty"], ("-C", str(repo["root"]), "deploy", verb, str(env["pkg"]))
+    with capsys.disabled():  # the sweep's numbers, for the report
+        print(f"\nfaults: deploy {verb}: {len(steps)} kill points, {len(kill_points(len(steps)))} run")
     for n in kill_points(len(steps)):
         if verb == "--revert":
             assert deploy(repo, capsys, "--to", env["pkg"])[0] == 0
@@ -137,3 +140,109 @@ def test_two_deploys_racing(repo, capsys, env, tmp_path):
         assert tree_state(env["site"]) == env["post"] and record_true(env["site"]) == []
         assert deploy(repo, capsys, "--revert", env["pkg"])[0] == 0
         assert tree_state(env["site"]) == env["pre"]
+
+
+# --- bad inputs: one line, a non-zero exit, nothing changed, never a traceback ------------------------
+
+
+def _deployed(repo, capsys, tmp_path, name="site"):
+    site = make_site(tmp_path / name, PIN, UPSTREAM)
+    assert deploy(repo, capsys, "--to", site / "vllm_ascend")[0] == 0
+    return site
+
+
+def _one_line(out: str) -> str:
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in out, out
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "damage, code, says",
+    [
+        (lambda m: m.write_text('{"format": 1, "files": [{"path": "x"}]}'), 2, "damaged"),
+        (lambda m: m.write_bytes(m.read_bytes()[:40]), 2, "truncated"),
+        (lambda m: (m.parent / "original" / "vllm_ascend" / "envs.py").unlink(), 1, "missing"),
+    ],
+    ids=["keys-missing", "truncated", "original-deleted"],
+)
+def test_damaged_backup_is_one_line(repo, capsys, tmp_path, damage, code, says):
+    site = _deployed(repo, capsys, tmp_path)
+    damage(site / BACKUP_DIR / "manifest.json")
+    before = snapshot(site)
+    got, out = deploy(repo, capsys, "--revert", site / "vllm_ascend")
+    assert got == code and says in _one_line(out), out
+    assert snapshot(site) == before
+
+
+def test_unwritable_site_packages_is_one_line(repo, capsys, tmp_path, monkeypatch):
+    """As a non-root user on a root-owned environment: mkdir of the backup fails (simulated: tests may run as root)."""
+    site = make_site(tmp_path, PIN, UPSTREAM)
+    before = snapshot(site)
+    real = os.mkdir
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith(BACKUP_DIR):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", denied)
+    got, out = deploy(repo, capsys, "--to", site / "vllm_ascend")
+    assert got == 1 and "Permission denied" in _one_line(out), out
+    assert snapshot(site) == before
+
+
+def test_hints_quote_paths_with_spaces(repo, capsys, tmp_path):
+    import shlex
+
+    site = make_site(tmp_path / "my env", PIN, UPSTREAM)
+    pkg = site / "vllm_ascend"
+    code, out = deploy(repo, capsys, "--to", pkg)
+    assert code == 0, out
+    hint = next(line for line in out.splitlines() if "undo with" in line)
+    command = hint.split("undo with `", 1)[1].split("`", 1)[0]
+    assert shlex.split(command) == ["deploy", "--revert", str(pkg)], hint
+    code, out = deploy(repo, capsys, "--to", pkg)
+    assert code == 2 and shlex.quote(str(pkg)) in out, out
+
+
+# --- a git checkout: the series as commits (`git am`), the HEAD before kept -------------------------
+
+
+def test_checkout_deploy_killed_at_every_step_recovers(repo, capsys, tmp_path):
+    from tools.fork.core import git
+    from tools.fork.deploy.target import CHECKOUT_STATE
+    from tools.fork.tests.test_deploy_checkout import make_checkout
+
+    root = make_checkout(tmp_path, PIN, UPSTREAM)
+    pre = git.out(["rev-parse", "HEAD"], root)
+    faulty = Faulty(install_hook(tmp_path / "hook"), {"FORK_CACHE": str(repo["cache"])}, [root / ".git"])
+    args = ("-C", str(repo["root"]), "deploy", "--to", str(root))
+    proc, steps = faulty.count(*args, log=tmp_path / "log")
+    assert proc.returncode == 0, proc.stderr
+    post_tree = git.out(["rev-parse", "HEAD^{tree}"], root)
+    assert any("git am" in s for s in steps), steps
+    with capsys.disabled():  # the sweep's numbers, for the report
+        print(f"\nfaults: deploy --to CHECKOUT: {len(steps)} kill points, {len(kill_points(len(steps)))} run")
+    state = root / ".git" / CHECKOUT_STATE
+
+    def is_pre(where):
+        return git.out(["rev-parse", "HEAD"], where) == pre and git.is_clean(where) and not (
+            where / ".git" / CHECKOUT_STATE).exists() and not git.am_in_progress(where)  # fmt: skip
+
+    assert deploy(repo, capsys, "--revert", root)[0] == 0 and is_pre(root)
+    for n in kill_points(len(steps)):
+        label = f"deploy --to CHECKOUT killed before step {steps[n - 1]}"
+        faulty.killed_at(n, *args)
+        other = tmp_path / "copy"
+        shutil.rmtree(other, ignore_errors=True)
+        shutil.copytree(root, other, symlinks=True)
+        code, out = deploy(repo, capsys, "--verify", root)
+        assert code in (0, 1) and "Traceback" not in out, f"{label}: {out}"
+        code, out = deploy(repo, capsys, "--revert", root)
+        assert code in (0, 2) and is_pre(root), f"{label}: --revert: {out}"
+        assert not state.with_name(state.name + ".tmp").exists(), label
+        code, out = deploy(repo, capsys, "--to", other)
+        assert code == 0 or "already deployed" in out, f"{label}: --to: {out}"
+        assert git.out(["rev-parse", "HEAD^{tree}"], other) == post_tree and git.is_clean(other), label
+        assert git.out(["rev-list", "--count", f"{pre}..HEAD"], other) == str(len(SERIES)), label

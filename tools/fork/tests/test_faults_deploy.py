@@ -246,3 +246,15 @@ def test_checkout_deploy_killed_at_every_step_recovers(repo, capsys, tmp_path):
         assert code == 0 or "already deployed" in out, f"{label}: --to: {out}"
         assert git.out(["rev-parse", "HEAD^{tree}"], other) == post_tree and git.is_clean(other), label
         assert git.out(["rev-list", "--count", f"{pre}..HEAD"], other) == str(len(SERIES)), label
+
+
+def test_a_half_written_deploy_tree_is_made_again(repo, capsys, tmp_path):
+    """build/deploy/<version> left half-extracted (no git repository) by a killed run of an older tool."""
+    tree = repo["root"] / "build" / "deploy" / PIN
+    shutil.rmtree(tree, ignore_errors=True)
+    (tree / "vllm_ascend").mkdir(parents=True)
+    (tree / "vllm_ascend" / "envs.py").write_text("half")
+    site = make_site(tmp_path, PIN, UPSTREAM)
+    code, out = deploy(repo, capsys, "--to", site / "vllm_ascend")
+    assert code == 0 and "making it again" in out, out
+    assert deploy(repo, capsys, "--verify", site / "vllm_ascend")[0] == 0

@@ -114,3 +114,16 @@ def test_rebase_killed_at_every_step_continues_or_aborts(tmp_path, monkeypatch, 
         assert _leftovers(other) == [], label
         if protected(other) == relative(pre):
             assert _tree_id(other / "build" / "fork") == pre_tree, label
+
+
+def test_a_half_deleted_tree_apply_says_what_to_delete_and_force_makes_it_again(tmp_path, monkeypatch, capsys):
+    import shlex
+
+    fork = make(tmp_path, monkeypatch, None)
+    clean = _tree_id(fork.tree)
+    shutil.rmtree(fork.tree / ".git")  # what `rm -rf` killed halfway leaves: files, no repository
+    assert _cli(fork.root, "apply") == 6
+    err = capsys.readouterr().err
+    assert f"rm -rf {shlex.quote(str(fork.tree))}" in err and "--force" in err and len(err.splitlines()) == 1, err
+    assert _cli(fork.root, "apply", "--force") == 0
+    assert _tree_id(fork.tree) == clean and _leftovers(fork.root) == []

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := build/tools-venv
 FORK := $(VENV)/bin/python -m tools.fork
 
-.PHONY: fork test image check lint status clean npu-report
+.PHONY: fork test image check lint status faults clean npu-report
 
 # Get and verify the pinned base, apply patches/, build the fork's wheel, print a summary.
 fork: $(VENV)/.stamp
@@ -56,6 +56,11 @@ npu-report:
 	$(PYTHON) -m tools.fork apply
 	$(PYTHON) -m tools.fork apply --base-only
 	$(PYTHON) -m tools.fork npu-report $(NPU_REPORT_ARGS)
+
+# The crash tests at every kill point (`make test` runs a sample): deploy --to/--revert, apply and
+# rebase SIGKILLed before each of their file steps, then recovered (docs/deploy.md, docs/rebase.md).
+faults: $(VENV)/.stamp
+	FORK_FAULTS=all $(VENV)/bin/python -m pytest tools/fork/tests/test_faults_deploy.py tools/fork/tests/test_faults_repo.py -q -s
 
 $(VENV)/.stamp: tools/requirements.txt
 	$(PYTHON) -m venv $(VENV)

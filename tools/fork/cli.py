@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from pathlib import Path
 
+from tools.fork.core import lock
 from tools.fork.core.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, ForkError
 
 # verb -> (module under tools.fork, one-sentence summary for `--help`);
@@ -44,6 +46,11 @@ VERBS = {
     ),
     "status": ("queue.cmd_status", "Summarize the pin, the series, build/fork and the wheel."),
 }
+
+# Verbs that write the repository's protected files or build/fork: one at a time per repository
+# (`deploy` locks its target instead: tools/fork/deploy/cmd_deploy.py).
+REPO_WRITERS = {"apply", "export", "rebase"}
+REPO_LOCK = ".fork.lock"  # in build/, the tool's own output folder
 
 # Importable only in the tools environment (tools/requirements.txt); tomli: Python 3.10's TOML reader.
 TOOLS_ENV_MODULES = {"setuptools", "setuptools_scm", "wheel", "pytest", "tomli", "_pytest"}
@@ -112,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
 
         root = args.root if args.root is not None else config.REPO_ROOT
         cfg = config.load(root.resolve())
-        return importlib.import_module(f"tools.fork.{VERBS[verb][0]}").run(args, cfg)
+        module = importlib.import_module(f"tools.fork.{VERBS[verb][0]}")
+        if verb not in REPO_WRITERS:
+            return module.run(args, cfg)
+        with lock.exclusive(cfg.build_dir / REPO_LOCK, f"the repository {cfg.root}"):
+            return module.run(args, cfg)
     except ForkError as exc:
         print(f"fork {verb}: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -122,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"fork {verb}: error: {message}", file=sys.stderr)
         return EXIT_TOOLS_ENV
+    except OSError as exc:  # e.g. a read-only site-packages: the cause in one line, not a traceback
+        where = f": {shlex.quote(str(exc.filename))}" if exc.filename else ""
+        print(f"fork {verb}: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"fork {verb}: interrupted", file=sys.stderr)
         return EXIT_FAILED

@@ -10,11 +10,13 @@ Layout of a materialized tree DIR:
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tools.fork.core import git, series, upstream
+from tools.fork.core import git, series, txn, upstream
 from tools.fork.core.errors import BadInput, ForkError, LocalEdits
 from tools.fork.core.series import Patch, base_tag
 
@@ -28,6 +30,7 @@ class State:
     base_commit: str
     series: list[tuple[str, str]]  # (patch name, sha256 of the patch file) applied, in order
     head: str  # HEAD right after the last apply/export
+    applying: bool = False  # saved before `git am` runs: a kill leaves the tool's own half-applied series
 
     @staticmethod
     def path(tree: Path) -> Path:
@@ -43,7 +46,9 @@ class State:
             return None
 
     def save(self, tree: Path) -> None:
-        self.path(tree).write_text(json.dumps(asdict(self), indent=1) + "\n")
+        tmp = self.path(tree).with_name("fork-state.json.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        os.replace(tmp, self.path(tree))
 
 
 class ApplyFailed(ForkError):
@@ -55,20 +60,32 @@ class ApplyFailed(ForkError):
         super().__init__(f"patch {patch.name} does not apply:\n  {detail}")
 
 
+PARTIAL_SUFFIX = ".fork-partial"
+
+
 def create_base(source: upstream.Source, tree: Path) -> str:
-    """Make `tree` a git repository holding exactly the base release; return its commit."""
+    """Make `tree` a git repository holding exactly the base release; return its commit.
+
+    It is made in `<tree>.fork-partial` and renamed into place when complete: a kill midway never
+    leaves a half-extracted tree under the final name (the next run removes the partial one)."""
     if tree.exists() and any(tree.iterdir()):
         raise LocalEdits(f"{tree} exists and is not empty; refusing to overwrite it")
-    tree.mkdir(parents=True, exist_ok=True)
+    partial = tree.with_name(tree.name + PARTIAL_SUFFIX)
+    txn.discard(partial)
+    partial.mkdir(parents=True)
     try:
-        upstream.extract(source, tree)
-        git.run(["init", "-q", "-b", BRANCH], tree)
+        upstream.extract(source, partial)
+        git.run(["init", "-q", "-b", BRANCH], partial)
         # Commit messages carry upstream's `### ...` PR sections: with git's default comment
         # character, editing a message (reword, squash) would silently strip them.
-        git.run(["config", "core.commentChar", ";"], tree)
-        return commit_release(source, tree)
+        git.run(["config", "core.commentChar", ";"], partial)
+        commit = commit_release(source, partial)
+        if tree.exists():
+            tree.rmdir()  # empty (checked above)
+        os.replace(partial, tree)
+        return commit
     except BaseException:
-        shutil.rmtree(tree, ignore_errors=True)
+        shutil.rmtree(partial, ignore_errors=True)
         raise
 
 
@@ -193,20 +210,31 @@ def materialize(
     `repo` (default: the one holding the patches) holds, e.g. an export that was discarded.
     """
     wanted = [(p.name, p.sha256) for p in patches]
+    txn.remove_trash(tree)  # a killed run's half-deleted tree
+    if tree.exists() and not git.is_repo(tree) and any(tree.iterdir()):
+        if not force:
+            raise LocalEdits(
+                f"{tree} exists and is not a materialized tree (a run killed while it was made or deleted?); "
+                f"refusing to overwrite it. Delete it (`rm -rf {shlex.quote(str(tree))}`) or pass --force"
+            )
+        print(f"fork: {tree} is not a materialized tree (left by a killed run?): making it again", flush=True)
+        txn.discard(tree)
     if git.is_repo(tree) and base_version(tree) != version:
         _replace_stale(tree, version, force=force)
     if git.is_repo(tree):
         state = State.load(tree)
         edits = local_edits(tree)
+        if state is not None and state.applying:  # the tool's own `git am`s, cut short: not the user's work
+            edits = []
         if edits and not force:
             raise LocalEdits(
                 f"{tree} has local edits; refusing to overwrite them:\n  - "
                 + "\n  - ".join(edits)
                 + "\nExport them (`python -m tools.fork export`) or pass --force to discard them."
             )
-        if not edits and state is not None and state.series == wanted:
+        if not edits and state is not None and state.series == wanted and not state.applying:
             return "up to date"
-        if not force:
+        if not force and not (state is not None and state.applying):
             lost = unheld_commits(tree, version, patches, repo)
             if lost:
                 raise LocalEdits(
@@ -224,6 +252,8 @@ def materialize(
             raise LocalEdits(f"{tree} exists and is not a materialized tree; refusing to overwrite it")
         create_base(source_for_base(), tree)
         outcome = "created"
+    base_commit = git.out(["rev-parse", base_tag(version)], tree)
+    State(version, base_commit, wanted, base_commit, applying=True).save(tree)
     try:
         apply_series(tree, patches)
     except ApplyFailed:
@@ -254,7 +284,7 @@ def _replace_stale(tree: Path, version: str, *, force: bool) -> None:
         f"fork: {tree} was materialized on vllm-ascend {have or '(unknown)'}, not {version}: making it again",
         flush=True,
     )
-    shutil.rmtree(tree)
+    txn.discard(tree)
 
 
 def commits(tree: Path, version: str) -> list[str]:
@@ -265,5 +295,10 @@ def commits(tree: Path, version: str) -> list[str]:
 def require_tree(tree: Path) -> str:
     version = base_version(tree)
     if version is None:
-        raise BadInput(f"{tree} is not a materialized tree (run `python -m tools.fork apply` first)")
+        made = (
+            "make it again with `python -m tools.fork apply --force`"
+            if tree.exists()
+            else "run `python -m tools.fork apply` first"
+        )
+        raise BadInput(f"{shlex.quote(str(tree))} is not a materialized tree ({made})")
     return version

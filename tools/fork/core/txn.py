@@ -10,6 +10,7 @@ rename is done.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,3 +103,24 @@ def snapshot(paths: list[Path]) -> dict[Path, bytes]:
                 if p.is_file() and "__pycache__" not in p.parts:
                     out[p] = p.read_bytes()
     return out
+
+
+TRASH_SUFFIX = ".fork-trash"
+
+
+def discard(path: Path) -> None:
+    """Delete a folder of the tool's own so that a kill midway leaves nothing half-deleted under its
+    name: renamed to `<path>.fork-trash` first (one step), then removed. A trash a killed run left
+    is removed too."""
+    remove_trash(path)
+    trash = path.with_name(path.name + TRASH_SUFFIX)
+    if path.exists():
+        os.replace(path, trash)
+        shutil.rmtree(trash)
+
+
+def remove_trash(path: Path) -> None:
+    """Remove what a run killed inside `discard(path)` left (`<path>.fork-trash`)."""
+    trash = path.with_name(path.name + TRASH_SUFFIX)
+    if trash.exists():
+        shutil.rmtree(trash)

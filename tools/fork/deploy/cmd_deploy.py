@@ -23,14 +23,23 @@ The expected content comes from the fork materialized on that base in build/depl
 from __future__ import annotations
 
 from pathlib import Path
+from shlex import quote
 
-from tools.fork.core import upstream
+from tools.fork.core import lock, upstream
 from tools.fork.core.config import ForkConfig
-from tools.fork.core.errors import EXIT_FAILED, EXIT_OK, BadInput
-from tools.fork.deploy.checkout import deploy_checkout, revert_checkout
+from tools.fork.core.errors import EXIT_FAILED, EXIT_OK, BadInput, ForkError
+from tools.fork.deploy import journal
+from tools.fork.deploy.checkout import deploy_checkout, recover_checkout, revert_checkout
 from tools.fork.deploy.expected import PACKAGE, expected
-from tools.fork.deploy.package import Row, deploy_package, record_problems, revert_package, verify_rows
-from tools.fork.deploy.target import CHECKOUT_STATE, Target, base_version, find_target, refuse_if_deployed
+from tools.fork.deploy.package import Row, deploy_package, record_problems, recover, revert_package, verify_rows
+from tools.fork.deploy.target import (
+    CHECKOUT_STATE,
+    Target,
+    base_version,
+    find_target,
+    load_json,
+    refuse_if_deployed,
+)
 
 HELP = __doc__
 
@@ -112,11 +121,36 @@ def run(args, cfg) -> int:
     target = find_target(path)
     for note in target.notes:
         print(f"fork deploy: note: {note}")
+    # One writer per target: the lock is the installed vllm_ascend/ directory itself (lock.py), so no
+    # lock file is left in site-packages and a killed holder's lock goes with it.
+    with lock.exclusive(target.package, f"{target.package}"):
+        return _run_locked(args, cfg, target)
+
+
+def _run_locked(args, cfg, target: Target) -> int:
+    verb = "--revert" if args.revert else "--verify" if args.verify else ""
+    if target.kind == "package" and args.verify:
+        st = journal.state(journal.Dirs(target.backup))
+        if st not in ("clean", "deployed"):
+            raise ForkError(journal.interrupted_message(journal.Dirs(target.backup), target.package, st))
+    if target.kind == "checkout" and args.verify:
+        state = load_json(target.root / ".git" / CHECKOUT_STATE)
+        if state is not None and not state.get("post_head"):
+            root = quote(str(target.root))
+            raise ForkError(
+                f"a deploy into {root} was interrupted; `deploy --revert {root}` rolls it back, "
+                f"`deploy --to {root}` rolls it back and deploys"
+            )
+    finished = None
+    if not args.verify:
+        finished = recover(target) if target.kind == "package" else recover_checkout(target)
+        if finished:
+            print(f"fork deploy{' ' + verb if verb else ''}: {finished}")
     if args.revert:
         done = (
-            revert_checkout(target, force=args.force)
+            revert_checkout(target, force=args.force, recovered=bool(finished))
             if target.kind == "checkout"
-            else revert_package(target, force=args.force)
+            else revert_package(target, force=args.force, recovered=bool(finished))
         )
         for line in done:
             print(f"fork deploy --revert: {line}")
@@ -137,7 +171,7 @@ def run(args, cfg) -> int:
             f"fork deploy: {target.root}: vllm-ascend {version} ({target.version_from}) "
             f"+ {len(applied)} commit(s) (git am -3)"
         )
-        print(f"fork deploy: undo with `python -m tools.fork deploy --revert {target.root}`")
+        print(f"fork deploy: undo with `python -m tools.fork deploy --revert {quote(str(target.root))}`")
         return EXIT_OK
     done = deploy_package(cfg, target, version, sdist=args.sdist)
     for line in done:
@@ -147,5 +181,6 @@ def run(args, cfg) -> int:
         f"{len(done)} file(s); backup in {target.backup}"
         + (f"; {target.dist_info.name}/RECORD updated" if target.dist_info else "")
     )
-    print(f"fork deploy: check with `deploy --verify {target.package}`, undo with `deploy --revert {target.package}`")
+    pkg = quote(str(target.package))
+    print(f"fork deploy: check with `deploy --verify {pkg}`, undo with `deploy --revert {pkg}`")
     return EXIT_OK

@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fork.core import git, overlay, series, upstream
+from tools.fork.core import git, lock, overlay, series, upstream
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.materialize import materialize
 from tools.fork.core.series import base_tag
@@ -43,7 +43,9 @@ def expected(cfg: ForkConfig, version: str, *, sdist: Path | None = None, scope:
     """The fork of base `version`, materialized in build/deploy/<version> (owned by this verb)."""
     patches = series.read(cfg, version)
     tree = (cfg.build_dir / "deploy" / version).resolve()
-    materialize(tree, lambda: upstream.obtain(cfg, version, sdist=sdist).source, version, patches, force=True)
+    # Deploys into different environments share this tree: the second waits for the first to make it.
+    with lock.exclusive(tree.with_name(f".{version}.lock"), f"{tree}", wait=True):
+        materialize(tree, lambda: upstream.obtain(cfg, version, sdist=sdist).source, version, patches, force=True)
     paths = ["--", f"{scope}/"] if scope else []
     log = git.out(["log", "--format=", "--name-only", "--no-renames", f"{base_tag(version)}..HEAD", *paths], tree)
     changes = [

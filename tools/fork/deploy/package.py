@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import shutil
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
 
 from tools.fork.core import git
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import BadInput, ForkError, LocalEdits
-from tools.fork.core.txn import StagedWrite
+from tools.fork.core.txn import signals_deferred
+from tools.fork.deploy import journal
 from tools.fork.deploy.dist_record import record_hash, record_rows, record_with
 from tools.fork.deploy.expected import PACKAGE, Change, Expected, expected, read, sha256
 from tools.fork.deploy.target import (
@@ -20,7 +21,6 @@ from tools.fork.deploy.target import (
     MANIFEST_FORMAT,
     AlreadyDeployed,
     Target,
-    load_json,
     refuse_if_deployed,
 )
 
@@ -101,34 +101,30 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
         )
     result = _apply_in_staging(target, exp)
 
-    # 1. the backup (outside the package), 2. the package and RECORD; undo 1 if 2 fails untouched.
-    backup = StagedWrite()
-    files = []
+    # The transaction (journal.py): originals, staged files and the plan in the backup, then the
+    # package by renames, then the commit point (manifest.json).
+    dirs = journal.Dirs(target.backup)
+    files, pycache, originals, staged, removed = [], [], {}, {}, []
     for ch in changing:
         if ch.base is not None:
-            backup.write(target.backup / "original" / ch.path, ch.base)
+            originals[ch.path] = ch.base
+        if result[ch.path] is None:
+            removed.append(ch.path)
+        else:
+            staged[ch.path] = result[ch.path]
         files.append(
             {"path": ch.path, "status": ch.status, "original_sha256": sha256(ch.base), "fork_sha256": sha256(ch.fork)}
         )
-    record = None
-    changes = StagedWrite()
-    pycache = []  # compiled files of the changed modules: stale once the source changes, so removed,
-    for ch in changing:  # and kept in the backup, so that --revert puts back every byte (and folder)
-        if result[ch.path] is None:
-            changes.delete(target.file(ch.path))
-        else:
-            changes.write(target.file(ch.path), result[ch.path])
+        # compiled files of the changed modules: stale once the source changes, so removed, and kept
+        # in the backup, so that --revert puts back every byte (and folder)
         for pyc in _pycache(target.file(ch.path)):
             rel = pyc.relative_to(target.root).as_posix()
             data = pyc.read_bytes()
-            backup.write(target.backup / "original" / rel, data)
+            originals[rel] = data
             pycache.append({"path": rel, "sha256": sha256(data)})
-            changes.delete(pyc)
-    backup_files = (
-        [f"{BACKUP_DIR}/{MANIFEST}"]
-        + [f"{BACKUP_DIR}/original/{ch.path}" for ch in changing if ch.base is not None]
-        + [f"{BACKUP_DIR}/original/{p['path']}" for p in pycache]
-    )
+            removed.append(rel)
+    backup_files = [f"{BACKUP_DIR}/{MANIFEST}"] + [f"{BACKUP_DIR}/original/{rel}" for rel in originals]
+    record = None
     if target.dist_info is not None:
         rec_path = target.dist_info / "RECORD"
         rec_rel = rec_path.relative_to(target.root).as_posix()
@@ -138,8 +134,8 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
             {ch.path: result[ch.path] for ch in changing},
             backup_files + [f"{BACKUP_DIR}/original/{rec_rel}"],
         )
-        backup.write(target.backup / "original" / rec_rel, original)
-        changes.write(rec_path, new)
+        originals[rec_rel] = original
+        staged[rec_rel] = new
         record = {"path": rec_rel, "original_sha256": sha256(original), "deployed_sha256": sha256(new)}
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -152,72 +148,109 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
         "pycache": pycache,
         "record": record,
     }
-    backup.write(target.backup / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-    backup.commit()
     try:
-        changes.commit()
-    except BaseException:
-        untouched = all(s == "upstream" for s in _states(target, exp).values()) and (
-            record is None or sha256(read(target.root / record["path"])) == record["original_sha256"]
-        )
-        if untouched:  # failed while staging (e.g. disk full): nothing to undo but the backup
-            shutil.rmtree(target.backup, ignore_errors=True)
-            raise
+        target.backup.mkdir()
+        for rel, data in originals.items():
+            journal.write_file(target.backup / "original" / rel, data)
+        for rel, data in staged.items():
+            journal.write_file(target.backup / "new" / rel, data)
+    except BaseException as exc:  # e.g. disk full, read-only: the package was not touched
+        journal.dispose(target.backup, dirs.trash)
+        if isinstance(exc, OSError):
+            raise _unwritable(exc, target) from None
+        raise
+    journal.write_json_atomic(target.backup / journal.PLAN, manifest)
+    try:
+        with signals_deferred():
+            for rel in staged:  # RECORD last among the renames (dict order: files, then RECORD)
+                dest = target.root / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(target.backup / "new" / rel, dest)
+            for rel in removed:
+                (target.root / rel).unlink()
+                journal.prune_empty_dirs((target.root / rel).parent, target.package)
+            journal.prune_empty_dirs_below(target.backup / "new")
+            os.replace(target.backup / journal.PLAN, target.backup / MANIFEST)  # the commit point
+    except BaseException as exc:
+        try:
+            journal.recover(dirs, target.root)
+        except BaseException:
+            raise ForkError(
+                f"deploy into {target.package} failed ({exc.__class__.__name__}: {exc}) and could not be rolled "
+                f"back; `deploy --revert {quote(str(target.package))}` finishes the rollback"
+            ) from None
         raise ForkError(
-            f"deploy into {target.package} was interrupted after some files changed; the backup is in "
-            f"{target.backup}: run `deploy --revert {target.package}`"
+            f"deploy into {target.package} failed ({exc.__class__.__name__}: {exc}); rolled back, nothing changed"
         ) from None
     return [f"{ch.status} {ch.path}" for ch in changing]
 
 
-def revert_package(target: Target, *, force: bool = False) -> list[str]:
-    manifest = load_json(target.backup / MANIFEST)
-    if manifest is None:
+_REINSTALL = "reinstall vllm-ascend (pip install --force-reinstall --no-deps vllm-ascend==VERSION), then rm -rf"
+
+
+def _unwritable(exc: OSError, target: Target) -> ForkError:
+    where = quote(str(exc.filename or target.root))
+    return ForkError(
+        f"cannot write beside {target.package} ({exc.strerror or exc}: {where}); nothing was changed. "
+        "Run the deploy as the user that owns the environment."
+    )
+
+
+def recover(target: Target) -> str | None:
+    """Finish what a killed deploy or revert left (journal.py), reporting a broken backup in one line."""
+    try:
+        return journal.recover(journal.Dirs(target.backup), target.root)
+    except OSError as exc:
+        raise _unwritable(exc, target) from None
+
+
+def revert_package(target: Target, *, force: bool = False, recovered: bool = False) -> list[str]:
+    """Undo a committed deploy (what a killed one left is finished by `recover` first; `recovered`: it was)."""
+    dirs = journal.Dirs(target.backup)
+    if journal.state(dirs) == "clean":
+        if recovered:
+            return []
         raise BadInput(
-            f"no deploy backup for {target.package} ({target.backup / MANIFEST} not found): nothing to revert. "
-            "Only what `deploy --to` changed can be reverted."
+            f"no deploy backup for {target.package} ({quote(str(target.backup / MANIFEST))} not found): nothing "
+            "to revert. Only what `deploy --to` changed can be reverted."
         )
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise BadInput(f"{target.backup / MANIFEST}: unknown format {manifest.get('format')!r}")
-    restore = StagedWrite()
+    try:
+        manifest = journal.load_manifest(target.backup / MANIFEST)
+    except BadInput as exc:
+        raise BadInput(f"{exc}; it cannot be reverted from there: {_REINSTALL} {quote(str(target.backup))}") from None
     edited, done = [], []
     for f in manifest["files"]:
-        path = target.file(f["path"])
-        have = sha256(read(path))
+        have = sha256(read(target.file(f["path"])))
         if have not in (f["fork_sha256"], f["original_sha256"]):
             edited.append(f["path"])
-        if f["original_sha256"] is None:
-            restore.delete(path)
-        else:
-            original = (target.backup / "original" / f["path"]).read_bytes()
-            if sha256(original) != f["original_sha256"]:
-                raise ForkError(f"backup of {f['path']} in {target.backup} is damaged (sha256 mismatch); not reverting")
-            restore.write(path, original)
-        for pyc in _pycache(path):  # compiled since the deploy, or left by an interrupted one
-            restore.delete(pyc)
         done.append(f"{'restored' if f['original_sha256'] else 'removed'} {f['path']}")
-    for p in manifest.get("pycache", []):  # the compiled files pip installed, as they were
-        original = (target.backup / "original" / p["path"]).read_bytes()
-        if sha256(original) != p["sha256"]:
-            raise ForkError(f"backup of {p['path']} in {target.backup} is damaged (sha256 mismatch); not reverting")
-        restore.write(target.root / p["path"], original)
     if manifest.get("pycache"):
         done.append(f"restored {len(manifest['pycache'])} compiled file(s) (__pycache__)")
     record = manifest.get("record")
     if record:
-        path = target.root / record["path"]
-        if sha256(read(path)) not in (record["deployed_sha256"], record["original_sha256"]):
+        if sha256(read(target.root / record["path"])) not in (record["deployed_sha256"], record["original_sha256"]):
             edited.append(record["path"])
-        restore.write(path, (target.backup / "original" / record["path"]).read_bytes())
         done.append(f"restored {record['path']}")
+    for rel, original, _ in journal._entries(manifest):
+        saved = target.backup / "original" / rel
+        if original is not None and sha256(read(saved)) != original:
+            state = "missing" if not saved.is_file() else "damaged (sha256 mismatch)"
+            raise ForkError(
+                f"the backup of {rel} is {state} ({quote(str(saved))}); not reverting, nothing was changed. "
+                f"{_REINSTALL} {quote(str(target.backup))}"
+            )
     if edited and not force:
         raise LocalEdits.revert_refused(
             f"files changed since the deploy into {target.package}; reverting would discard that",
             edited,
             "restore the originals",
         )
-    restore.commit()
-    shutil.rmtree(target.backup)
+    try:
+        os.replace(target.backup, dirs.reverting)  # the revert's journal: from here it is finished forward
+        journal.restore_originals(target.root, dirs.reverting, manifest)
+        journal.dispose(dirs.reverting, dirs.trash)  # the commit point: renamed to the trash
+    except OSError as exc:
+        raise _unwritable(exc, target) from None
     return done
 
 

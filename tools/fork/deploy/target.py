@@ -6,6 +6,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from shlex import quote
 
 from tools.fork.core import git
 from tools.fork.core.config import ForkConfig
@@ -165,12 +166,13 @@ def refuse_if_deployed(target: Target) -> None:
     if target.kind == "package" and target.backup.exists():
         raise AlreadyDeployed(
             f"{target.package} is already deployed (backup {target.backup} exists); "
-            f"`deploy --revert {target.package}` first"
+            f"`deploy --revert {quote(str(target.package))}` first"
         )
     state = target.root / ".git" / CHECKOUT_STATE
     if target.kind == "checkout" and state.exists():
         raise AlreadyDeployed(
-            f"{target.root}: the series is already deployed ({state}); `deploy --revert {target.root}` first"
+            f"{target.root}: the series is already deployed ({state}); "
+            f"`deploy --revert {quote(str(target.root))}` first"
         )
 
 

@@ -16,6 +16,7 @@ from tools.fork.core import git, series, upstream
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import EXIT_CONFLICT, BadInput, ForkError, InProgress
 from tools.fork.core.series import base_tag
+from tools.fork.core.txn import TRASH_SUFFIX, discard, remove_trash
 from tools.fork.rebase import apply as rebase_apply
 from tools.fork.rebase import report as rebase_report
 from tools.fork.rebase.prepare import announce_first_use, is_older, require_no_unexported_edits, setup
@@ -25,11 +26,13 @@ from tools.fork.rebase.state import (
     Item,
     Result,
     State,
+    digest,
     in_progress_message,
+    protected_files,
     require_unchanged,
     workdir,
 )
-from tools.fork.rebase.write import finish
+from tools.fork.rebase.write import finish, restore_old
 
 _NOTHING_CHANGED = "Nothing was changed (build/rebase removed); run the rebase again."
 
@@ -55,9 +58,37 @@ def sigterm_as_interrupt():
 def abort(cfg: ForkConfig) -> int:
     work = workdir(cfg)
     if not work.exists():
+        discard(work)  # what a killed abort left (build/rebase.fork-trash)
         raise BadInput("no rebase in progress (build/rebase does not exist)")
-    shutil.rmtree(work)
-    print("fork rebase: aborted; build/rebase removed. patches/, fork.toml and the overlay were not changed.")
+    try:
+        st = State.load(work)
+    except InProgress:
+        st = None
+    if st is not None and st.phase in ("writing", "written", "aborting"):
+        # The write began: put the old files back (a kill in here is finished by the next --abort).
+        st.phase = "aborting"
+        st.save(work)
+        restored = restore_old(cfg, work)
+    else:
+        restored = False
+    discard(work)
+    remove_trash(cfg.default_fork_dir())  # a rebase killed while installing its tree as build/fork
+    if st is not None and digest(protected_files(cfg)) == st.digest:
+        what = (
+            "the rebase's write was undone: patches/, fork.toml and the overlay are as before it (checked)"
+            if restored
+            else "patches/, fork.toml and the overlay were not changed (checked)"
+        )
+    elif st is None:  # state.json is replaced atomically and saved before any write: none began
+        what = (
+            "it was cut short before it saved its state (build/rebase/state.json), so it wrote nothing to "
+            "patches/, fork.toml or the overlay"
+        )
+    else:
+        what = (
+            "patches/, fork.toml or the overlay differ from when the rebase started (edited since?); left as they are"
+        )
+    print(f"fork rebase: aborted; build/rebase removed. {what}.")
     return 0
 
 
@@ -66,6 +97,7 @@ def start(cfg: ForkConfig, args, *, seen: list | None = None) -> int:
     work = workdir(cfg)
     if work.exists():
         raise InProgress(in_progress_message(cfg))
+    discard(work)  # what a killed --abort or a finished rebase left half-deleted (build/rebase.fork-trash)
     version = upstream.require_version(args.onto, "--onto")
     if version == cfg.pin.version:
         raise BadInput(f"the series is already on vllm-ascend {version} (the pin); nothing to rebase")
@@ -246,11 +278,20 @@ def _record(work: Path, st: State, tree: Path, result: Result) -> None:
 def resume(cfg: ForkConfig, *, test: bool = False, no_test: bool = False) -> int:
     work = workdir(cfg)
     if not work.exists():
+        if work.with_name(work.name + TRASH_SUFFIX).exists():  # killed while removing a finished rebase's work
+            remove_trash(work)
+            remove_trash(cfg.default_fork_dir())
+            print("fork rebase: done (the result was already written; removed what was left of build/rebase).")
+            return 0
         raise BadInput("no rebase in progress (build/rebase does not exist); start one with `rebase --onto VERSION`")
     st = State.load(work)
     st.test = st.test or test
     st.no_test = st.no_test or no_test
     tree = work / "tree"
+    if st.phase == "aborting":
+        raise InProgress(
+            "a `rebase --abort` was cut short: run `python -m tools.fork rebase --abort` again to finish it"
+        )
     if st.phase == "test" and st.stopped:
         require_unchanged(cfg, st)
         dirty = git.dirty_summary(tree, untracked=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -10,13 +11,19 @@ from tools.fork.core import config, forktoml, git, materialize, overlay, series
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import EXIT_FAILED, ForkError
 from tools.fork.core.series import base_tag
-from tools.fork.core.txn import StagedWrite, signals_deferred
+from tools.fork.core.txn import discard, signals_deferred
 from tools.fork.rebase.report import failure, loud, print_table, written_but
 from tools.fork.rebase.state import OLD_REF, State, digest, protected_files, require_unchanged
 from tools.fork.testing.session import RunOptions, run_tests
 
+JOURNAL = "write"  # build/rebase/write/: new/<path> staged, old/<path> the files it replaces, journal.json
+
 
 def finish(cfg: ForkConfig, work: Path, st: State) -> int:
+    """The final write, journaled (build/rebase/write/): the new files are staged and the old ones kept
+    there, then phase "writing" is saved, then renames move the new files into place, then "written".
+    A kill before "writing" changed nothing; after it, `--continue` redoes the remaining renames
+    (each one idempotent) and `--abort` puts the old files back (restore_old)."""
     tree = work / "tree"
     try:
         if st.phase == "write":
@@ -34,27 +41,32 @@ def finish(cfg: ForkConfig, work: Path, st: State) -> int:
             if current != st.new_digest:
                 if current != st.digest:
                     require_unchanged(cfg, st)
-                staged = StagedWrite()
-                for rel, data in changes.items():
-                    if data is None:
-                        staged.delete(cfg.root / rel)
-                    else:
-                        staged.write(cfg.root / rel, data)
-                with signals_deferred():
-                    staged.commit()
-                    st.phase = "written"
-                    st.save(work)
+                _stage(cfg, work, changes)
+                st.phase = "writing"
+                st.save(work)
             else:
+                st.phase = "written"
+                st.save(work)
+        if st.phase == "writing":
+            with signals_deferred():
+                _renames(cfg, work)
                 st.phase = "written"
                 st.save(work)
     except BaseException as exc:
         if st.phase == "written":  # a signal held off during the write arrives right after it
             raise failure(exc, written_but()) from None
+        if st.phase == "writing":
+            raise failure(
+                exc,
+                "The write was cut short: `python -m tools.fork rebase --continue` finishes it, `rebase --abort` "
+                "puts the old patches/, fork.toml and overlay back.",
+            ) from None
+        unchanged = digest(protected_files(cfg)) == st.digest
         raise failure(
             exc,
-            "patches/, fork.toml and the overlay were not changed. Every patch is applied in build/rebase; fix the "
-            "cause (e.g. free disk space), then `python -m tools.fork rebase --continue` writes the result "
-            "(or `--abort`).",
+            ("patches/, fork.toml and the overlay were not changed (checked). " if unchanged else "")
+            + "Every patch is applied in build/rebase; fix the cause (e.g. free disk space), then "
+            "`python -m tools.fork rebase --continue` writes the result (or `--abort`).",
         ) from None
     try:
         _after_write(cfg, work, st)
@@ -67,6 +79,79 @@ def finish(cfg: ForkConfig, work: Path, st: State) -> int:
             print(f"fork rebase: the fork's tests FAILED on {st.onto} (exit {rc}); the rebase itself is written")
             return EXIT_FAILED
     return 0
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _stage(cfg: ForkConfig, work: Path, changes: dict[str, bytes | None]) -> None:
+    """build/rebase/write/: the new files, the old ones and the list; nothing outside build/rebase changes."""
+    journal = work / JOURNAL
+    if journal.exists():  # from a run killed while staging
+        shutil.rmtree(journal)
+    entries = {}
+    for rel, data in changes.items():
+        old = cfg.root / rel
+        existed = old.is_file()
+        if data is None and not existed:
+            continue
+        if existed and data is not None and old.read_bytes() == data:
+            continue
+        if existed:
+            _write_file(journal / "old" / rel, old.read_bytes())
+        if data is not None:
+            _write_file(journal / "new" / rel, data)
+        entries[rel] = {"new": data is not None, "existed": existed}
+    tmp = journal / "journal.json.tmp"
+    _write_file(tmp, (json.dumps(entries, indent=1) + "\n").encode())
+    os.replace(tmp, journal / "journal.json")
+
+
+def _journal(work: Path) -> dict[str, dict]:
+    return json.loads((work / JOURNAL / "journal.json").read_text())
+
+
+def _renames(cfg: ForkConfig, work: Path) -> None:
+    """Move the staged files into place and delete what the rebase removes; run again after a kill."""
+    for rel, entry in _journal(work).items():
+        dest = cfg.root / rel
+        if entry["new"]:
+            staged = work / JOURNAL / "new" / rel
+            if staged.exists():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staged, dest)
+        else:
+            dest.unlink(missing_ok=True)
+            _prune(dest.parent, cfg.root)
+
+
+def restore_old(cfg: ForkConfig, work: Path) -> bool:
+    """`--abort` of a rebase whose write began: put back every file the write replaced or deleted and
+    remove the ones it added. False when no write began (nothing to restore)."""
+    if not (work / JOURNAL / "journal.json").is_file():
+        return False
+    for rel, entry in _journal(work).items():
+        dest = cfg.root / rel
+        if entry["existed"]:
+            saved = work / JOURNAL / "old" / rel
+            if saved.exists():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(saved, dest)
+        else:
+            dest.unlink(missing_ok=True)
+            _prune(dest.parent, cfg.root)
+    return True
+
+
+def _prune(d: Path, stop: Path) -> None:
+    while d != stop and stop in d.parents and d.is_dir() and not any(d.iterdir()):
+        d.rmdir()
+        d = d.parent
 
 
 def plan(cfg: ForkConfig, tree: Path, st: State) -> tuple[dict[str, bytes | None], list[str]]:
@@ -145,7 +230,7 @@ def _after_write(cfg: ForkConfig, work: Path, st: State) -> None:
     tree = work / "tree"
     new_cfg = config.load(cfg.root)
     if not tree.is_dir():  # cut short after the write, after the tree was installed
-        shutil.rmtree(work, ignore_errors=True)
+        discard(work)
         print("fork rebase: done (the result was already written).")
         return
     print()
@@ -185,7 +270,7 @@ def _after_write(cfg: ForkConfig, work: Path, st: State) -> None:
     if st.first_use:
         loud(f"fork.toml now pins vllm-ascend {st.onto} with sha256 {st.onto_sha256} (trusted on first use).")
     _install_tree(new_cfg, tree, st)
-    shutil.rmtree(work, ignore_errors=True)
+    discard(work)
     print("fork rebase: done. Review with `git diff` and commit patches/, fork.toml and the overlay.")
 
 
@@ -194,14 +279,10 @@ def _install_tree(cfg: ForkConfig, tree: Path, st: State) -> None:
     git.run(["update-ref", "-d", OLD_REF], tree, check=False)
     git.run(["tag", "-d", base_tag(st.old_pin)], tree, check=False)
     fork = cfg.default_fork_dir()
-    if fork.exists():
-        if git.is_repo(fork) and not materialize.local_edits(fork):
-            shutil.rmtree(fork)
-        else:
-            print(
-                f"fork rebase: note: {fork} was left as it is (it has local edits); `apply --force` re-materializes it"
-            )
-            return
+    if fork.exists() and not (git.is_repo(fork) and not materialize.local_edits(fork)):
+        print(f"fork rebase: note: {fork} was left as it is (it has local edits); `apply --force` re-materializes it")
+        return
+    discard(fork)  # also what a run killed here left (build/fork.fork-trash)
     fork.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tree, fork)
     patches = series.read(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 
 import pytest
 
@@ -204,22 +205,30 @@ def test_revert_refuses_edits_made_after_deploy_unless_forced(repo, tmp_path, ca
     assert snapshot(site) == before
 
 
-def test_failed_write_leaves_package_and_no_backup(repo, tmp_path, capsys, monkeypatch):
-    """The package changes are one StagedWrite; if it fails before its renames, the backup goes too."""
+@pytest.mark.parametrize("where", ["staging", "renames"])
+def test_failed_write_leaves_package_and_no_backup(repo, tmp_path, capsys, monkeypatch, where):
+    """A write that fails while staging (disk full) or halfway through the renames (an I/O error) is
+    rolled back: the package as before, no backup, one line and exit 1."""
+    from tools.fork.deploy import journal, package
+
     site = make_site(tmp_path, PIN, UPSTREAM)
     before = snapshot(site)
     calls = []
-    real_commit = txn.StagedWrite.commit
+    real = journal.write_file if where == "staging" else os.replace
 
-    def commit(self):
+    def failing(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:  # the backup is written first; the package write fails (disk full)
-            raise OSError(28, "No space left on device")
-        return real_commit(self)
+        if len(calls) == 2:
+            raise OSError(28 if where == "staging" else 5, "injected", str(args[-1]))
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(txn.StagedWrite, "commit", commit)
-    with pytest.raises(OSError):
-        cli.main(["-C", str(repo["root"]), "deploy", "--to", str(site / "vllm_ascend")])
+    if where == "staging":
+        monkeypatch.setattr(journal, "write_file", failing)
+    else:
+        monkeypatch.setattr(package.os, "replace", failing)
+    code, out = deploy(repo, capsys, "--to", site / "vllm_ascend")
+    assert code == 1, out
+    assert "nothing" in out.splitlines()[-1] and "Traceback" not in out, out
     assert snapshot(site) == before
     assert not (site / BACKUP_DIR).exists()
 

@@ -98,7 +98,7 @@ def test_full_disk_on_the_final_write(tmp_path, monkeypatch):
     real_open, opened = builtins.open, []
 
     def full_disk_open(file, mode="r", *args, **kwargs):
-        if str(file).endswith(".fork-staged"):
+        if "/build/rebase/write/new/" in str(file) and "w" in mode:  # the final write's staged files
             opened.append(file)
             if len(opened) >= 2:
                 raise OSError(errno.ENOSPC, "No space left on device", str(file))
@@ -207,7 +207,7 @@ def test_signal_before_the_final_write_keeps_the_work(tmp_path, monkeypatch):
 
 def test_signal_during_the_final_write_is_held_until_it_is_complete(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
-    p = _interrupt(fork, tmp_path, "rebase.write.StagedWrite", signal.SIGTERM, "rebase", "--onto", B, pause=1)
+    p = _interrupt(fork, tmp_path, "rebase.write._renames", signal.SIGTERM, "rebase", "--onto", B, pause=1)
     assert p.returncode == EXIT_FAILED, p.stderr
     assert "interrupted" in p.stderr and "The rebase IS written" in p.stderr
     assert config.load(fork.root).pin.version == B  # all of it: the write was not cut in half

@@ -40,6 +40,8 @@ PACKAGES = (
     "vllm_ascend.ops.triton.v2",
     "vllm_ascend.ops.triton.v2.mamba",
     "vllm_ascend.worker",
+    "vllm_ascend.patch",
+    "vllm_ascend.patch.worker",
 )
 TREE_ENV = "KERNEL_TREE"
 
@@ -204,7 +206,13 @@ def setup(roots: list[Path]) -> dict:
     interp = prepare_interpreter_if_needed()
     source = provide_triton_utils()
     register_tree(roots)
-    return {"interpreter": interp, "triton_utils": source, "roots": [str(r) for r in roots]}
+    info = {"interpreter": interp, "triton_utils": source, "roots": [str(r) for r in roots]}
+    if interp:  # triton_utils.py resolves triton-ascend's extension ops at import time
+        from tools.kernel_harness import ascend_ops
+
+        if ascend_ops.install():
+            info["ascend_ops"] = "interpreter versions (tools/kernel_harness/ascend_ops.py)"
+    return info
 
 
 def load_file(path: Path, name: str) -> types.ModuleType:

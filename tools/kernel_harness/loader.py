@@ -176,7 +176,7 @@ def vllm_version(roots: list[Path]) -> str:
 
 
 def stub_utils(roots: list[Path]) -> types.ModuleType:
-    """Register the `vllm_ascend.utils` stub: `vllm_version_is` only (see the module docstring).
+    """Register the `vllm_ascend.utils` stub: `vllm_version_is` and `is_310p` (see the module docstring).
 
     The vLLM version is looked up when a kernel asks. A kernel file that takes another name from
     vllm_ascend.utils fails with an ImportError naming this stub: add that name here, torch_npu-free.
@@ -187,11 +187,12 @@ def stub_utils(roots: list[Path]) -> types.ModuleType:
         # both sides are plain X.Y.Z releases here
         return vllm_version(roots) == target_vllm_version
 
-    utils = types.ModuleType(UTILS, f"kernel harness stub of {UTILS}: vllm_version_is only")
+    utils = types.ModuleType(UTILS, f"kernel harness stub of {UTILS}: vllm_version_is and is_310p")
     utils.__spec__ = importlib.util.spec_from_loader(UTILS, loader=None)
     utils.__file__ = f"<kernel harness stub: {__file__}>"  # named by `cannot import name ...` errors
     utils.__kernel_harness__ = True
     utils.vllm_version_is = vllm_version_is
+    utils.is_310p = lambda: False  # 0.23.0.post1's patch_mamba_utils picks its 310P fallback with it: no NPU here
     sys.modules[UTILS] = utils
     sys.modules["vllm_ascend"].utils = utils
     return utils

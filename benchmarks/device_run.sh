@@ -39,15 +39,8 @@ for phase in "${PHASES[@]}"; do
             # The series' op tests on the device (fork tree), with a longer fuzz budget.
             KERNEL_FUZZ_EXAMPLES=${KERNEL_FUZZ_EXAMPLES:-400} timeout 300 $PY -m pytest -p tools.kernel_harness.plugin \
                 -p benchmarks.npu_as_cuda --noconftest --kernel-tree build/fork -v -p no:cacheprovider \
-                --junitxml "$OUT/tests_fork.xml" build/fork/$OPS/test_batch_memmove.py \
-                build/fork/$OPS/test_mamba_state_copy.py >"$OUT/tests_fork.log" 2>&1 || status=1
+                --junitxml "$OUT/tests_fork.xml" build/fork/$OPS/test_batch_memmove.py >"$OUT/tests_fork.log" 2>&1 || status=1
             tail -3 "$OUT/tests_fork.log"
-            # Revert proof: the same fused-kernel test against the base tree's kernels.
-            timeout 180 $PY -m pytest -p tools.kernel_harness.plugin -p benchmarks.npu_as_cuda --noconftest --kernel-tree build/base -v \
-                -p no:cacheprovider --junitxml "$OUT/tests_base_postprocess.xml" \
-                build/fork/$OPS/test_mamba_state_copy.py >"$OUT/tests_base_postprocess.log" 2>&1
-            echo "base tree (unguarded) postprocess test exit: $? (expected non-zero)"
-            tail -3 "$OUT/tests_base_postprocess.log"
             ;;
         memmove)
             # The memmove kernel on the device against its numpy memmove oracle, through vllm-ascend's
@@ -89,21 +82,21 @@ for phase in "${PHASES[@]}"; do
             tail -1 "$OUT/align_trace.log"
             ;;
         fused_tests)
-            # The fused postprocess / precopy kernels' shared copy body: its op tests on the fork, and the same
-            # tests against the base (and build/main) as controls, expected to fail. The controls run the precopy
-            # tests in a process of their own: the base precopy kernel's misaligned u64 access is a sticky CUDA
-            # error that would fail every later test of its process.
+            # The fused postprocess / precopy kernels' shared copy body: upstream's op tests of the two kernels that
+            # need no vLLM (the series' postprocess cases sit in test_postprocess_mamba.py, which imports vLLM's
+            # engine: fused_stress checks that kernel here), on the fork; the fork's test_precopy.py against the
+            # base (and build/main) as controls, expected to fail (the base precopy kernel's misaligned u64 access
+            # on unaligned temporal blocks, a sticky CUDA error: each control in a process of its own).
             timeout 240 $PY -m pytest -p tools.kernel_harness.plugin -p benchmarks.npu_as_cuda --noconftest \
-                --kernel-tree build/fork -q -rf -p no:cacheprovider build/fork/$OPS/test_mamba_state_copy.py >"$OUT/fused_tests_fork.log" 2>&1 || status=1
+                --kernel-tree build/fork -q -rf -p no:cacheprovider build/fork/$OPS/test_precopy.py \
+                build/fork/$OPS/test_postprocess_temporal_copy.py >"$OUT/fused_tests_fork.log" 2>&1 || status=1
             echo "fused op tests on fork: $(tail -1 "$OUT/fused_tests_fork.log")"
             for tree in base main; do
                 [ -d "build/$tree" ] || continue
-                for part in "not precopy" precopy; do
-                    log="$OUT/fused_tests_${tree}_${part/not /no}.log"
-                    timeout 120 $PY -m pytest -p tools.kernel_harness.plugin -p benchmarks.npu_as_cuda --noconftest \
-                        --kernel-tree "build/$tree" -q -rf -p no:cacheprovider -k "$part" build/fork/$OPS/test_mamba_state_copy.py >"$log" 2>&1
-                    echo "fused op tests on $tree (-k '$part'): $(tail -1 "$log") (expected failures)"
-                done
+                log="$OUT/fused_tests_${tree}_precopy.log"
+                timeout 120 $PY -m pytest -p tools.kernel_harness.plugin -p benchmarks.npu_as_cuda --noconftest \
+                    --kernel-tree "build/$tree" -q -rf -p no:cacheprovider build/fork/$OPS/test_precopy.py >"$log" 2>&1
+                echo "fork's test_precopy.py on $tree: $(tail -1 "$log") (expected failures)"
             done
             ;;
         fused_stress)

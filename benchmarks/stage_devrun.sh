@@ -20,7 +20,7 @@ for tree in fork base; do
              vllm_ascend/ops/triton/v2/mamba/precopy.py vllm_ascend/worker/mamba_copy_checks.py \
              vllm_ascend/worker/mamba_copy_groups.py \
              tests/ut/worker/test_mamba_copy_groups.py \
-             $OPS/test_batch_memmove.py $OPS/test_mamba_state_copy.py; do
+             $OPS/test_batch_memmove.py $OPS/test_precopy.py $OPS/test_postprocess_temporal_copy.py; do
         if [ -f "$SRC/build/$from/$f" ]; then
             mkdir -p "$DEST/build/$tree/$(dirname "$f")"
             cp "$SRC/build/$from/$f" "$DEST/build/$tree/$f"

@@ -1,8 +1,8 @@
 """Stress the fused Mamba postprocess kernel's in-place conv shift for races on a GPU.
 
     python benchmarks/stress_fused.py --tree build/fork --json fused_stress.json
-    python benchmarks/stress_fused.py --tree build/base-0.30.0rc2   # the unpatched kernel: the control, expected to fail
-    python benchmarks/stress_fused.py --smoke                       # CPU (Triton interpreter): tiny sizes, checks the script
+    python benchmarks/stress_fused.py --tree build/base-0.30.0rc2  # the unpatched kernel: the control, must fail
+    python benchmarks/stress_fused.py --smoke                      # CPU (Triton interpreter): tiny sizes
 
 Every request shifts its conv state in place by 1..3 tokens (`state[blk, bias:] -> state[blk, :width - bias]`)
 over long rows with small shifts and many warps: the geometry in which an unordered copy races on a GPU. Per

@@ -5,7 +5,10 @@ machinery. The kernel modules themselves only need `vllm.triton_utils`
 (`tl`, `triton`) and torch. `register_tree()` puts light package objects for
 `vllm_ascend`, `vllm_ascend.ops`, `vllm_ascend.ops.triton` and
 `vllm_ascend.ops.triton.mamba` and `vllm_ascend.worker` (for the torch-only
-copy modules `mamba_copy_groups` and `mamba_copy_batch`) into `sys.modules`, whose `__path__` lists the
+copy modules `mamba_copy_groups` and `mamba_copy_batch`), and `vllm_ascend.patch` and
+`vllm_ascend.patch.worker` (upstream's test_postprocess_mamba.py imports
+`patch_mamba_utils`; the real package `__init__` applies every worker patch, some of which
+import torch_npu) into `sys.modules`, whose `__path__` lists the
 real directories of the tree(s) under test, so `import
 vllm_ascend.ops.triton.batch_memmove` loads just that file.
 
@@ -18,7 +21,10 @@ torch_npu, vLLM's engine and the Ascend config: none of it loads off an NPU, and
 the triton-ascend venv has no vLLM at all. Upstream's CPU tests stub torch_npu
 for the same reason (tests/ut/conftest.py). The harness stubs the one module
 that needs it instead: `stub_utils()` puts a `vllm_ascend.utils` holding only
-`vllm_version_is` into `sys.modules`, in the harness's own process.
+`vllm_version_is` and `is_310p` into `sys.modules`, in the harness's own process.
+
+Under the interpreter, `setup()` also gives Triton triton-ascend's extension ops
+(`ascend_ops.py`), which `ops/triton/triton_utils.py` resolves at import time.
 """
 
 from __future__ import annotations

@@ -274,7 +274,10 @@ def _why(base_run: dict[str, Result], ids: list[str], file: str) -> str:
         r = base_run.get(key)
         if r is not None and r.message:
             return re.sub(r"\s+", " ", r.message)[:140]
-    return "not run on the base" if file not in base_run and not any(i in base_run for i in ids) else ""
+    outcomes = sorted({base_run[i].outcome for i in ids if i in base_run})
+    if not outcomes:
+        return "not run on the base"
+    return f"{'/'.join(outcomes)} on the base without a message"
 
 
 def upstream_e2e_step(
@@ -370,7 +373,7 @@ def judge(files, base_run, base_imports, fork_run, fork_imports, version: str, r
         print(f"\nimport-checked only (they do not pass on the base {version} under the interpreter):")
         for f, ids in outcome.import_only.items():
             n = sum(1 for tid in base_imports.results if base_imports.results[tid].file == f)
-            print(f"  {f}: {len(ids)} of {n} test(s) ({_why(base_run.results, ids, f) or 'no message'})")
+            print(f"  {f}: {len(ids)} of {n} test(s) ({_why(base_run.results, ids, f)})")
     return outcome
 
 

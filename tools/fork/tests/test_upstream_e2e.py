@@ -307,3 +307,14 @@ def test_a_series_that_deletes_some_tests_of_a_file_it_keeps_loses_them(harness)
     kept = E2E_TEST.replace("def test_main():", "def _main():")
     step = harness.step({"vllm_ascend/ops/kern.py": KERN + "\n", E2E_FILE: kept})
     assert step.failed and "1 pass on the base and are missing from the fork" in step.detail
+
+
+def test_an_import_checked_only_file_always_gets_a_reason():
+    from tools.fork.testing.junit import Result
+
+    ids = [f"{E2E_FILE}::test_a", f"{E2E_FILE}::test_b"]
+    base_run = {ids[0]: Result(ids[0], "skipped"), ids[1]: Result(ids[1], "failed")}
+    assert upstream_e2e._why(base_run, ids, E2E_FILE) == "failed/skipped on the base without a message"
+    assert upstream_e2e._why({}, ids, E2E_FILE) == "not run on the base"
+    base_run[ids[1]] = Result(ids[1], "failed", "RuntimeError:   NPU\nrequired")
+    assert upstream_e2e._why(base_run, ids, E2E_FILE) == "RuntimeError: NPU required"

@@ -9,7 +9,7 @@ GDN-like state pools (36 layers; per block a conv state of 3 tokens x 8192 bf16 
 request alike: `shift` (the running state stays in its block: conv shifted in place by 1-2 tokens,
 temporal copied from the accepted column) and `move` (the state moves to the next block). Median
 device time of one launch over --iters launches, CUDA events. Correctness is the op tests' job
-(tests/e2e/.../test_mamba_state_copy.py); this only times.
+(the series' cases in tests/e2e/.../test_postprocess_mamba.py and test_precopy.py); this only times.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ machinery. The kernel modules themselves only need `vllm.triton_utils`
 (`tl`, `triton`) and torch. `register_tree()` puts light package objects for
 `vllm_ascend`, `vllm_ascend.ops`, `vllm_ascend.ops.triton` and
 `vllm_ascend.ops.triton.mamba` and `vllm_ascend.worker` (for the torch-only
-copy modules `mamba_copy_groups` and `mamba_copy_batch`) into `sys.modules`, whose `__path__` lists the
+copy modules `mamba_copy_groups` and `mamba_copy_batch`), and `vllm_ascend.patch` and
+`vllm_ascend.patch.worker` (upstream's test_postprocess_mamba.py imports
+`patch_mamba_utils`; the real package `__init__` applies every worker patch, some of which
+import torch_npu) into `sys.modules`, whose `__path__` lists the
 real directories of the tree(s) under test, so `import
 vllm_ascend.ops.triton.batch_memmove` loads just that file.
 
@@ -18,7 +21,10 @@ torch_npu, vLLM's engine and the Ascend config: none of it loads off an NPU, and
 the triton-ascend venv has no vLLM at all. Upstream's CPU tests stub torch_npu
 for the same reason (tests/ut/conftest.py). The harness stubs the one module
 that needs it instead: `stub_utils()` puts a `vllm_ascend.utils` holding only
-`vllm_version_is` into `sys.modules`, in the harness's own process.
+`vllm_version_is` and `is_310p` into `sys.modules`, in the harness's own process.
+
+Under the interpreter, `setup()` also gives Triton triton-ascend's extension ops
+(`ascend_ops.py`), which `ops/triton/triton_utils.py` resolves at import time.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ PACKAGES = (
     "vllm_ascend.ops.triton.v2",
     "vllm_ascend.ops.triton.v2.mamba",
     "vllm_ascend.worker",
+    "vllm_ascend.patch",
+    "vllm_ascend.patch.worker",
 )
 TREE_ENV = "KERNEL_TREE"
 
@@ -174,7 +182,7 @@ def vllm_version(roots: list[Path]) -> str:
 
 
 def stub_utils(roots: list[Path]) -> types.ModuleType:
-    """Register the `vllm_ascend.utils` stub: `vllm_version_is` only (see the module docstring).
+    """Register the `vllm_ascend.utils` stub: `vllm_version_is` and `is_310p` (see the module docstring).
 
     The vLLM version is looked up when a kernel asks. A kernel file that takes another name from
     vllm_ascend.utils fails with an ImportError naming this stub: add that name here, torch_npu-free.
@@ -185,11 +193,12 @@ def stub_utils(roots: list[Path]) -> types.ModuleType:
         # both sides are plain X.Y.Z releases here
         return vllm_version(roots) == target_vllm_version
 
-    utils = types.ModuleType(UTILS, f"kernel harness stub of {UTILS}: vllm_version_is only")
+    utils = types.ModuleType(UTILS, f"kernel harness stub of {UTILS}: vllm_version_is and is_310p")
     utils.__spec__ = importlib.util.spec_from_loader(UTILS, loader=None)
     utils.__file__ = f"<kernel harness stub: {__file__}>"  # named by `cannot import name ...` errors
     utils.__kernel_harness__ = True
     utils.vllm_version_is = vllm_version_is
+    utils.is_310p = lambda: False  # 0.23.0.post1's patch_mamba_utils picks its 310P fallback with it: no NPU here
     sys.modules[UTILS] = utils
     sys.modules["vllm_ascend"].utils = utils
     return utils
@@ -204,7 +213,13 @@ def setup(roots: list[Path]) -> dict:
     interp = prepare_interpreter_if_needed()
     source = provide_triton_utils()
     register_tree(roots)
-    return {"interpreter": interp, "triton_utils": source, "roots": [str(r) for r in roots]}
+    info = {"interpreter": interp, "triton_utils": source, "roots": [str(r) for r in roots]}
+    if interp:  # triton_utils.py resolves triton-ascend's extension ops at import time
+        from tools.kernel_harness import ascend_ops
+
+        if ascend_ops.install():
+            info["ascend_ops"] = "interpreter versions (tools/kernel_harness/ascend_ops.py)"
+    return info
 
 
 def load_file(path: Path, name: str) -> types.ModuleType:

@@ -21,11 +21,12 @@ ASCEND_COMPILE = "tools/kernel_harness/ascend_compile.py"
 TOOLING_TESTS = "tools/fork/tests"
 
 # Kernel op tests that fail deterministically under the interpreter on a kernel without the series'
-# fix, as `pytest -k` expressions per file: on an unpatched base they must fail, or the CPU ring
-# could no longer catch that regression. The DS conv rows with TEMPORAL_TILES > 1: a kernel without
-# the tile-0 conv guard shifts them once per tile program (the fused kernels' shared copy body
-# patch). A base whose kernel lacks DS rows or tiles collects none of them, and has nothing to prove.
-BASE_MUST_FAIL = {f"{KERNEL_TEST_DIR}/test_mamba_state_copy.py": "ds and tiles4"}
+# fix, as `pytest -k` expressions per file of the fork's tree (a file the fork adds, or an upstream
+# file a patch adds cases to): run against the unpatched base's kernels they must fail, or the CPU
+# ring could no longer catch that regression. The DS conv rows with TEMPORAL_TILES > 1: a kernel
+# without the tile-0 conv guard shifts them once per tile program (the fused kernels' copy-body patch's cases in upstream's
+# test_postprocess_mamba.py). A base whose kernel lacks DS rows or tiles has no such case.
+BASE_MUST_FAIL = {f"{KERNEL_TEST_DIR}/test_postprocess_mamba.py": "shifts_conv_state_in_place and ds and tiles4"}
 
 
 @dataclass
@@ -99,17 +100,18 @@ def kernel_op_step(name: str, tenv: testenv.TestEnv, root: Path, tree: Path, fil
     return run_step(name, *command, junit, allow_skips=False)
 
 
-def base_must_fail_step(tenv: testenv.TestEnv, root: Path, base_tree: Path, added: list[str], junit: Path) -> Step:
-    """BASE_MUST_FAIL's cases against the unpatched base: passed when at least one fails there."""
+def base_must_fail_step(tenv: testenv.TestEnv, root: Path, base_tree: Path, fork_tree: Path, junit: Path) -> Step:
+    """BASE_MUST_FAIL's cases, the fork tree's test files, against the unpatched base's kernels:
+    passed when at least one fails there."""
     name = "kernel op tests on the unpatched base (must fail)"
-    files = [f for f in BASE_MUST_FAIL if f in added]
+    files = [f for f in BASE_MUST_FAIL if (fork_tree / f).is_file()]
     if not files:
-        return Step(name, "none", "the fork adds none of the files in steps.BASE_MUST_FAIL")
+        return Step(name, "none", "the fork's tree has none of the files in steps.BASE_MUST_FAIL")
     junit.unlink(missing_ok=True)
     argv, env, cwd = kernel_test_command(tenv, root, base_tree, [], junit)
-    # the test files are the repository's (the base has none): test ids relative to it
-    argv = [f"--rootdir={root}" if a.startswith("--rootdir=") else a for a in argv]
-    argv += [str(root / f) for f in files] + ["-k", " or ".join(f"({BASE_MUST_FAIL[f]})" for f in files)]
+    # the fork's versions of the test files (the base has none, or its own): test ids relative to that tree
+    argv = [f"--rootdir={fork_tree}" if a.startswith("--rootdir=") else a for a in argv]
+    argv += [str(fork_tree / f) for f in files] + ["-k", " or ".join(f"({BASE_MUST_FAIL[f]})" for f in files)]
     argv.append("--tb=no")  # failures are expected here: their names, not their tracebacks
     print(f"\nfork test: [{name}] {' '.join(str(a) for a in argv[:6])} ...", flush=True)
     proc = subprocess.run(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL)
@@ -151,7 +153,7 @@ def kernel_steps(
         steps.append(Step("kernel op tests", "none", f"the fork adds no test under {KERNEL_TEST_DIR}"))
     else:
         steps.append(kernel_op_step("kernel op tests", tenv, cfg.root, fork_tree, kernel_files, out / "kernel.xml"))
-        steps.append(base_must_fail_step(tenv, cfg.root, base_tree, kernel_files, out / "kernel-base.xml"))
+    steps.append(base_must_fail_step(tenv, cfg.root, base_tree, fork_tree, out / "kernel-base.xml"))
     # e'. the harness's own tests (loader, and a known-bad kernel the Ascend front end must reject)
     junit = out / "kernel-harness.xml"
     junit.unlink(missing_ok=True)

@@ -9,7 +9,8 @@ run twice in each tree:
    (it stubs torch_npu). Every test id collected on the base must be collected on the fork.
 2. **run**: under the Triton interpreter through the kernel harness, with the NPU mapped to the CPU
    (`--npu-on-cpu`, tools/kernel_harness/npu_cpu.py). Every test that passes on the base must pass
-   on the fork (results.compare, as for tests/ut).
+   on the fork (results.compare, as for tests/ut), and every test the series adds to these files
+   (a patch's cases in an upstream test file) must pass on the fork.
 
 A test that does not pass on the base under the interpreter (it needs an NPU operator, vLLM's
 engine, ...) is import-checked only; `test` names those. The base's results of both passes are
@@ -40,7 +41,12 @@ from tools.fork.testing.suite import SuiteRun, base_cache_path, load_cached, res
 E2E_DIR = "tests/e2e"
 PACKAGE = "vllm_ascend"
 UT_CONFTEST = "tests/ut/conftest.py"  # upstream's CPU set-up: stubs torch_npu when there is no NPU
-HARNESS_FILES = ("tools/kernel_harness/plugin.py", "tools/kernel_harness/loader.py", "tools/kernel_harness/npu_cpu.py")
+HARNESS_FILES = (
+    "tools/kernel_harness/plugin.py",
+    "tools/kernel_harness/loader.py",
+    "tools/kernel_harness/npu_cpu.py",
+    "tools/kernel_harness/ascend_ops.py",
+)
 # Bump when the way the two passes run changes (invalidates cached base results).
 RUNNER_VERSION = 2
 PASS_TIMEOUT_S = 20 * 60
@@ -268,7 +274,10 @@ def _why(base_run: dict[str, Result], ids: list[str], file: str) -> str:
         r = base_run.get(key)
         if r is not None and r.message:
             return re.sub(r"\s+", " ", r.message)[:140]
-    return "not run on the base" if file not in base_run and not any(i in base_run for i in ids) else ""
+    outcomes = sorted({base_run[i].outcome for i in ids if i in base_run})
+    if not outcomes:
+        return "not run on the base"
+    return f"{'/'.join(outcomes)} on the base without a message"
 
 
 def upstream_e2e_step(
@@ -365,7 +374,7 @@ def judge(files, base_run, base_imports, fork_run, fork_imports, version: str, r
         print(f"\nimport-checked only (they do not pass on the base {version} under the interpreter):")
         for f, ids in outcome.import_only.items():
             n = sum(1 for tid in base_imports.results if base_imports.results[tid].file == f)
-            print(f"  {f}: {len(ids)} of {n} test(s) ({_why(base_run.results, ids, f) or 'no message'})")
+            print(f"  {f}: {len(ids)} of {n} test(s) ({_why(base_run.results, ids, f)})")
     return outcome
 
 
@@ -379,6 +388,10 @@ def problems(outcome: Outcome) -> list[str]:
         lost = [t for t in outcome.run.lost if Result(t, "").file not in broken]
         if lost:
             out.append(f"{len(lost)} pass on the base and are missing from the fork")
+        # cases a patch adds to an upstream test file: the series' own tests, so they must pass
+        added = [r for r in outcome.run.new if r.outcome != "passed" and r.file not in broken]
+        if added:
+            out.append(f"{len(added)} that the series adds do not pass on the fork")
     if outcome.imports is not None:
         ids = [t for t, _ in outcome.imports.regressions] + outcome.imports.lost
         gone = [t for t in ids if Result(t, "").file not in broken]

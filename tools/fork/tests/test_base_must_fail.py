@@ -15,10 +15,11 @@ TEST_FILE = f"{steps.KERNEL_TEST_DIR}/test_synthetic_kernel.py"
 
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
-    """A repository whose one kernel op test fails when the base's kernel says so; a base tree."""
-    repo, base = tmp_path / "repo", tmp_path / "base"
+    """A repository; a fork tree whose one kernel op test fails when the base's kernel says so; a base tree."""
+    repo, fork, base = tmp_path / "repo", tmp_path / "fork", tmp_path / "base"
+    repo.mkdir()
     (base / "vllm_ascend" / "ops" / "triton").mkdir(parents=True)
-    test = repo / TEST_FILE
+    test = fork / TEST_FILE
     test.parent.mkdir(parents=True)
     test.write_text(
         "import os, pytest\n"
@@ -34,12 +35,12 @@ def repo(tmp_path, monkeypatch):
         return argv, tenv.env(), root
 
     monkeypatch.setattr(steps, "kernel_test_command", plain_pytest)
-    return repo, base
+    return repo, base, fork
 
 
-def _run(repo, base, kernel: str, added=(TEST_FILE,)):
+def _run(repo, base, fork, kernel: str):
     tenv = SimpleNamespace(env=lambda: {**os.environ, "BASE_KERNEL": kernel})
-    return steps.base_must_fail_step(tenv, repo, base, list(added), repo / "junit.xml")
+    return steps.base_must_fail_step(tenv, repo, base, fork, repo / "junit.xml")
 
 
 def test_a_case_failing_on_the_base_proves_the_tests(repo):
@@ -56,4 +57,5 @@ def test_cases_passing_on_the_base_fail_the_step(repo):
 def test_a_base_without_the_cases_has_nothing_to_prove(repo, monkeypatch):
     monkeypatch.setattr(steps, "BASE_MUST_FAIL", {TEST_FILE: "absent"})
     assert _run(*repo, kernel="broken").status == "none"
-    assert _run(*repo, kernel="broken", added=()).status == "none"
+    monkeypatch.setattr(steps, "BASE_MUST_FAIL", {f"{steps.KERNEL_TEST_DIR}/test_not_in_the_fork.py": "proof"})
+    assert _run(*repo, kernel="broken").status == "none"

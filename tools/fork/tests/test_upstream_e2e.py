@@ -222,6 +222,16 @@ def test_a_test_that_passes_on_the_base_and_fails_on_the_fork_fails_the_step(har
     assert step.counts["passed"] == 2 and step.counts["failed"] == 1
 
 
+def test_cases_a_patch_adds_to_an_upstream_test_must_pass_on_the_fork(harness):
+    passing = E2E_TEST + "\n\ndef test_added_by_the_series():\n    assert main(2) == 3\n"
+    kern = {"vllm_ascend/ops/kern.py": KERN.replace("return x + 1", "return 1 + x")}
+    step = harness.step({**kern, E2E_FILE: passing})
+    assert step.status == "passed", step.detail
+    failing = E2E_TEST + "\n\ndef test_added_by_the_series():\n    assert main(2) == 4\n"
+    step = harness.step({**kern, E2E_FILE: failing})
+    assert step.failed and "1 that the series adds do not pass on the fork" in step.detail
+
+
 def test_an_import_checked_only_file_that_no_longer_imports_fails_the_step(harness, capsys):
     # every test of NPU_FILE fails on the base (no NPU): only its import is checked, and it breaks
     step = harness.step({"vllm_ascend/ops/kern.py": KERN.replace("def npu_helper(x):\n    return x * 2\n\n\n", "")})
@@ -313,3 +323,14 @@ def test_a_series_that_deletes_some_tests_of_a_file_it_keeps_loses_them(harness)
     kept = E2E_TEST.replace("def test_main():", "def _main():")
     step = harness.step({"vllm_ascend/ops/kern.py": KERN + "\n", E2E_FILE: kept})
     assert step.failed and "1 pass on the base and are missing from the fork" in step.detail
+
+
+def test_an_import_checked_only_file_always_gets_a_reason():
+    from tools.fork.testing.junit import Result
+
+    ids = [f"{E2E_FILE}::test_a", f"{E2E_FILE}::test_b"]
+    base_run = {ids[0]: Result(ids[0], "skipped"), ids[1]: Result(ids[1], "failed")}
+    assert upstream_e2e._why(base_run, ids, E2E_FILE) == "failed/skipped on the base without a message"
+    assert upstream_e2e._why({}, ids, E2E_FILE) == "not run on the base"
+    base_run[ids[1]] = Result(ids[1], "failed", "RuntimeError:   NPU\nrequired")
+    assert upstream_e2e._why(base_run, ids, E2E_FILE) == "RuntimeError: NPU required"

@@ -125,8 +125,44 @@ def test_a_name_the_stub_lacks_is_an_error_naming_the_stub(tmp_path):
         "import os\n"
         "from tools.kernel_harness import loader\n"
         "loader.register_tree(loader.split_roots(os.environ['KERNEL_TREE']))\n"
-        "from vllm_ascend.utils import is_310p\n"
+        "from vllm_ascend.utils import global_stream\n"
     )
     proc = run_py(code, str(tree))
-    assert proc.returncode != 0 and "cannot import name 'is_310p'" in proc.stderr, proc.stderr
+    assert proc.returncode != 0 and "cannot import name 'global_stream'" in proc.stderr, proc.stderr
     assert "kernel harness stub" in proc.stderr, proc.stderr
+
+
+def test_the_interpreter_gets_triton_ascends_extension_ops(tmp_path):
+    """extract_slice / insert_slice / get_element under the interpreter, against numpy."""
+    pkg = tmp_path / "vllm_ascend"
+    (pkg / "ops" / "triton").mkdir(parents=True)
+    (pkg / "ops" / "triton" / "probe.py").write_text(
+        "from triton.language.extra.cann.extension import extract_slice, get_element, insert_slice\n"
+        "from vllm.triton_utils import tl, triton\n\n\n"
+        "@triton.jit\n"
+        "def probe(x_ptr, out_ptr, one_ptr):\n"
+        "    i = tl.arange(0, 8)\n"
+        "    x = tl.load(x_ptr + i[:, None] * 8 + i[None, :])\n"
+        "    sub = extract_slice(x, (2, 1), (2, 4), (1, 2))\n"
+        "    y = insert_slice(tl.zeros((8, 8), tl.float32), sub * 10, (5, 0), (2, 4), (1, 1))\n"
+        "    tl.store(out_ptr + i[:, None] * 8 + i[None, :], y)\n"
+        "    tl.store(one_ptr, get_element(x, (3, 6)))\n"
+    )
+    code = (
+        "import os\n"
+        "from tools.kernel_harness import loader\n"
+        "loader.setup(loader.split_roots(os.environ['KERNEL_TREE']))\n"
+        "import numpy as np, torch\n"
+        "from vllm_ascend.ops.triton.probe import probe\n"
+        "x = torch.arange(64, dtype=torch.float32).view(8, 8)\n"
+        "out, one = torch.full((8, 8), -1.0), torch.zeros(1)\n"
+        "probe[(1,)](x, out, one)\n"
+        "expected = np.zeros((8, 8), np.float32)\n"
+        "expected[5:7, 0:4] = x.numpy()[2:4, 1:8:2] * 10\n"
+        "assert np.array_equal(out.numpy(), expected), out\n"
+        "assert one.item() == x[3, 6].item(), one\n"
+        "print('ok')\n"
+    )
+    proc = run_py(code, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "ok"

@@ -2,10 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The Mamba state-block copy shared by the fused postprocess and V2 precopy kernels.
 
-As vLLM 0.30's shared copy body: conv states are copied by tile 0 only, and an
-in-place conv shift (dst < src < dst + size) needs no barrier, since each lane
-reads a byte before it overwrites it. Pointer casts stay out of the loops and
-no condition chains `and` (triton-ascend's front end rejects both).
+As vLLM 0.30's shared copy body: conv states are copied by tile 0 only; a conv
+copy between two blocks (or with no shift) is one vectorised copy, and only a
+shift inside one block (dst < src < dst + size) goes token by token, from low
+to high: step t loads token t + bias and stores token t, so the store that
+overwrites a token (step t) follows the step that loaded it (t - bias).
+
+That order needs no barrier where one program's loads and stores keep program
+order between dependent accesses. On Ascend a program runs on one AI core: a
+load moves a block from global memory to UB (MTE2), a store from UB to global
+memory (MTE3), and the compiler synchronises the two pipes. A store waits for
+the load whose data it writes (step t), which the MTE2 queue issues after the
+load of step t - bias. Pointer casts stay out of the loops and no condition
+chains `and` (triton-ascend's front end rejects both).
 """
 
 from vllm.triton_utils import tl, triton
@@ -14,10 +23,10 @@ from vllm.triton_utils import tl, triton
 @triton.jit
 def _copy_tiled(src, dst, n, tile_idx, COPY_BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr):
     # Tile `tile_idx` of TILES copies its COPY_BLOCK_SIZE-aligned slice of
-    # elements [0, n). Lane k always copies the elements at i + k: the same
-    # lane reads and later writes a byte (lane ownership).
+    # elements [0, n), one block after another from low to high.
+    n = n.to(tl.int64)
     per_tile = tl.cdiv(tl.cdiv(n, TILES), COPY_BLOCK_SIZE) * COPY_BLOCK_SIZE
-    start = tile_idx.to(tl.int64) * per_tile
+    start = per_tile * tile_idx
     end = tl.minimum(start + per_tile, n)
     offsets = tl.arange(0, COPY_BLOCK_SIZE)
     for i in range(start, end, COPY_BLOCK_SIZE):
@@ -34,7 +43,7 @@ def _copy_temporal_state(
     COPY_BLOCK_SIZE: tl.constexpr,
     TEMPORAL_TILES: tl.constexpr,
 ):
-    # Temporal states do not overlap: a u64 body split across the tiles, tile 0
+    # Regions that do not overlap: a u64 body split across the tiles, tile 0
     # copying the 0-7 byte tail; a byte copy when an address is not 8-byte aligned.
     src_u8 = src_addr.to(tl.pointer_type(tl.uint8))
     dst_u8 = dst_addr.to(tl.pointer_type(tl.uint8))
@@ -47,6 +56,26 @@ def _copy_temporal_state(
             tl.store(dst_u8 + tail, tl.load(src_u8 + tail, mask=tail < copy_size), mask=tail < copy_size)
     else:
         _copy_tiled(src_u8, dst_u8, copy_size, tile_idx, COPY_BLOCK_SIZE, TEMPORAL_TILES)
+
+
+@triton.jit
+def _copy_tokens(src, dst, token_len, num_tokens, COPY_BLOCK_SIZE: tl.constexpr):
+    # Token t of `src` to token t of `dst`, t from low to high: a left shift in
+    # place loads each token before the later step that overwrites it.
+    for token in range(0, num_tokens):
+        _copy_tiled(src + token * token_len, dst + token * token_len, token_len, 0, COPY_BLOCK_SIZE, 1)
+
+
+@triton.jit
+def _copy_dim_rows(src, dst, row_count, row_stride, row_len, COPY_BLOCK_SIZE: tl.constexpr):
+    # Elements [0, row_len) of every row (`row_stride` elements apart), each
+    # lane one row, its elements from low to high (as _copy_tokens).
+    offsets = tl.arange(0, COPY_BLOCK_SIZE)
+    for first_row in range(0, row_count, COPY_BLOCK_SIZE):
+        mask = (first_row + offsets) < row_count
+        rows = (first_row + offsets).to(tl.int64) * row_stride
+        for e in range(0, row_len):
+            tl.store(dst + rows + e, tl.load(src + rows + e, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -84,7 +113,8 @@ def copy_mamba_state_block(
     block_table = tl.load(block_table_ptrs_ptr + group_idx).to(tl.pointer_type(tl.int32))
     block_table += bt_row_idx * block_table_stride_req
     # int64 block ids: block_id * block_stride can exceed 2**31 bytes.
-    dst_addr = base + tl.load(block_table + dst_col).to(tl.int64) * block_stride
+    dst_block_id = tl.load(block_table + dst_col).to(tl.int64)
+    dst_addr = base + dst_block_id * block_stride
     inner_bytes = tl.load(state_inner_sizes_ptr + state_idx) * elem_size
 
     if conv_width == 0:
@@ -94,21 +124,38 @@ def copy_mamba_state_block(
     # Conv states are small: tile 0 copies them (another tile would shift again).
     if tile_idx > 0:
         return
-    src = (base + tl.load(block_table + src_col).to(tl.int64) * block_stride).to(tl.pointer_type(tl.uint8))
-    dst = dst_addr.to(tl.pointer_type(tl.uint8))
+    src_block_id = tl.load(block_table + src_col).to(tl.int64)
+    src_addr = base + src_block_id * block_stride
+    num_tokens = (conv_width - token_bias).to(tl.int64)
     if CONV_STATE_DIM_FIRST:
-        # DS (blocks, dim, width): one lane per dim row, walking its bytes upwards.
+        # DS (blocks, dim, width): whole elements, one dim row per lane.
         row_count = tl.load(state_dim_row_count_ptr + state_idx)
         row_stride = tl.load(state_dim_row_stride_ptr + state_idx)
-        src += token_bias.to(tl.int64) * elem_size
-        offsets = tl.arange(0, COPY_BLOCK_SIZE)
-        for first_row in range(0, row_count, COPY_BLOCK_SIZE):
-            mask = (first_row + offsets) < row_count
-            rows = (first_row + offsets).to(tl.int64) * row_stride
-            for b in range(0, (conv_width - token_bias).to(tl.int64) * elem_size):
-                tl.store(dst + rows + b, tl.load(src + rows + b, mask=mask), mask=mask)
+        src_addr += token_bias.to(tl.int64) * elem_size
+        if elem_size == 2:
+            src16 = src_addr.to(tl.pointer_type(tl.uint16))
+            dst16 = dst_addr.to(tl.pointer_type(tl.uint16))
+            _copy_dim_rows(src16, dst16, row_count, row_stride // 2, num_tokens, COPY_BLOCK_SIZE)
+        elif elem_size == 4:
+            src32 = src_addr.to(tl.pointer_type(tl.uint32))
+            dst32 = dst_addr.to(tl.pointer_type(tl.uint32))
+            _copy_dim_rows(src32, dst32, row_count, row_stride // 4, num_tokens, COPY_BLOCK_SIZE)
+        else:  # other element sizes: their bytes, in order
+            src8 = src_addr.to(tl.pointer_type(tl.uint8))
+            dst8 = dst_addr.to(tl.pointer_type(tl.uint8))
+            _copy_dim_rows(src8, dst8, row_count, row_stride, num_tokens * elem_size, COPY_BLOCK_SIZE)
+        return
+    # SD (blocks, width, dim): tokens are contiguous, inner_bytes each.
+    src_addr += token_bias.to(tl.int64) * inner_bytes
+    if (src_block_id != dst_block_id) | (token_bias == 0):
+        # Different blocks never overlap, nor does an unshifted copy: one vectorised copy.
+        _copy_temporal_state(src_addr, dst_addr, num_tokens * inner_bytes, tile_idx, COPY_BLOCK_SIZE, 1)
+    elif ((src_addr | dst_addr | inner_bytes) & 7) == 0:
+        # A shift inside one block: token by token, upwards, whole u64 words where aligned.
+        src64 = src_addr.to(tl.pointer_type(tl.uint64))
+        dst64 = dst_addr.to(tl.pointer_type(tl.uint64))
+        _copy_tokens(src64, dst64, inner_bytes // 8, num_tokens, COPY_BLOCK_SIZE)
     else:
-        # SD (blocks, width, dim): token by token upwards, inner_bytes a token.
-        src += token_bias.to(tl.int64) * inner_bytes
-        for token in range(0, conv_width - token_bias):
-            _copy_tiled(src + token * inner_bytes, dst + token * inner_bytes, inner_bytes, tile_idx, COPY_BLOCK_SIZE, 1)
+        src8 = src_addr.to(tl.pointer_type(tl.uint8))
+        dst8 = dst_addr.to(tl.pointer_type(tl.uint8))
+        _copy_tokens(src8, dst8, inner_bytes, num_tokens, COPY_BLOCK_SIZE)

@@ -12,7 +12,6 @@ the whole pool must equal the oracle, so bytes outside the destinations must be 
 """
 
 import os
-import random
 
 import numpy as np
 import pytest

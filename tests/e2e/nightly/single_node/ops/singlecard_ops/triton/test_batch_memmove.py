@@ -146,13 +146,23 @@ def test_exact_and_empty_pairs_leave_pool_untouched():
     assert np.array_equal(result, pool)
 
 
-def test_ordered_pairs_run_apart_in_pair_order():
-    """A chain (b -> c, then d -> b) and one destination (c) written twice: memmove in pair order."""
+def test_ordered_pairs_run_apart_in_pair_order(monkeypatch):
+    """A chain (b -> c, then d -> b) and one destination (c) written twice: the unmarked pairs in one
+    launch, then one launch per marked pair, in pair order; the pool equals memmove in pair order."""
+    kernel, grids = bm.batch_memcpy_kernel, []
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(bm, "batch_memcpy_kernel", RecordingKernel())
     a, b, c, d, e = (4096 * i for i in range(5))
     pairs = [(a + 512, a, 1024), (b, c, 2048), (d, b, 2048), (e, c, 100), (e + 4096 + 8, e + 4096, 64)]
     ordered = np.array([False, True, True, True, False])
     pool = make_pool(6 * 4096, seed=11)
     assert_memmove(pool, pairs, ordered)
+    assert grids == [(2,), (1,), (1,), (1,)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

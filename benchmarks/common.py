@@ -15,18 +15,19 @@ if str(ROOT) not in sys.path:
 from tools.kernel_harness import loader  # noqa: E402
 
 DEFAULT_TREES = [ROOT, ROOT / "build" / "fork"]
-# The memmove kernel's launch parameters in these runs: the best of the H200 sweeps
-# (benchmarks/RESULTS.md). GPU tuning stays here; vllm-ascend's launcher keeps its Ascend defaults.
-MEMMOVE_BLOCK, MEMMOVE_TILES = 32768, 16
+# The block memmove's kernel is launched with in these runs (the best of the H200 sweeps, benchmarks/RESULTS.md).
+# GPU tuning stays here; vllm-ascend's launcher keeps its Ascend block (batch_memmove.BLOCK_SIZE).
+MEMMOVE_BLOCK = 32768
 
 
 def memmove_launcher(module):
-    """``module.batch_memmove_kernel`` launched with benchmark parameters (block, tiles, warps)."""
+    """The kernel ``module.batch_memmove`` launches (batch_memcpy_kernel, one program a pair), with
+    benchmark parameters (block, warps), in one launch."""
 
-    def launch(src, dst, sizes, *, block_size=MEMMOVE_BLOCK, tiles=MEMMOVE_TILES, num_warps=None):
+    def launch(src, dst, sizes, *, block_size=MEMMOVE_BLOCK, num_warps=None):
         extra = {} if num_warps is None else {"num_warps": num_warps}
         if src.shape[0]:
-            module.batch_memmove_kernel[(src.shape[0], tiles)](src, dst, sizes, BLOCK_SIZE=block_size, **extra)
+            module.batch_memcpy_kernel[(src.shape[0],)](src, dst, sizes, BLOCK_SIZE=block_size, **extra)
 
     return launch
 

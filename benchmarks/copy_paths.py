@@ -7,8 +7,8 @@
 Backends (one batch = every copy of one align-mode step):
   unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
-  memmove      batch_memmove_kernel (this fork): overlap-safe, one launch, with this benchmark's GPU
-               parameters (benchmarks/common.py: MEMMOVE_BLOCK, MEMMOVE_TILES)
+  memmove      the kernel batch_memmove launches (batch_memcpy_kernel of the tree, one program a pair),
+               one launch, with this benchmark's GPU block (benchmarks/common.py: MEMMOVE_BLOCK)
   torch        the shipped default: grouped tensor copies (vllm_ascend/worker/mamba_copy_groups.py,
                imported from the tree): every request recorded as the collector records it (a few
                block ids; the step recorded outside the timed call, as torch_clone's pairs are built
@@ -21,8 +21,8 @@ Backends (one batch = every copy of one align-mode step):
   torch_<name>   --compare-groups NAME=PATH: another mamba_copy_groups.py (e.g. an earlier version)
   torch_clone  per pair dst.copy_(src.clone()) (the per-pair reference: the default before grouping)
   torch_copy   per pair dst.copy_(src) (no temporary; not overlap-safe)
-Extra rows: unguarded_b1024; with --sweep memmove_b<B>_t<T>_w<W> (block/tile/warps) and
-memmove_product (vllm-ascend's launcher batch_memmove with its own defaults).
+Extra rows: unguarded_b1024; with --sweep memmove_b<B>_w<W> (block/warps) and memmove_product
+(vllm-ascend's launcher batch_memmove with its own defaults).
 
 Shapes per layer (36 GDN layers in 3 KV-cache groups of 12, as Qwen3-Next's 36 linear-attention layers
 beside 12 full-attention ones): one conv state of 3 rows x 16 KiB (bf16, dim 8192) and one 2 MiB fp32
@@ -225,9 +225,9 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool, compare_groups=()):
 
         return run
 
-    def memmove_cfg(block, tiles, warps=None):
+    def memmove_cfg(block, warps=None):
         def run(b):
-            memmove(b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block, tiles=tiles, num_warps=warps)
+            memmove(b.src_ptrs, b.dst_ptrs, b.sizes, block_size=block, num_warps=warps)
 
         return run
 
@@ -272,10 +272,7 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool, compare_groups=()):
     backends = {
         "unguarded": (pointer(memcpy, 8192), {"block": 8192}),
         "left_guard": (pointer(left_guard, 1024), {"block": 1024}),
-        "memmove": (
-            memmove_cfg(common.MEMMOVE_BLOCK, common.MEMMOVE_TILES),
-            {"block": common.MEMMOVE_BLOCK, "tiles": common.MEMMOVE_TILES},
-        ),
+        "memmove": (memmove_cfg(common.MEMMOVE_BLOCK), {"block": common.MEMMOVE_BLOCK}),
         **groups,
         "torch_clone": (torch_clone, {}),
         "torch_copy": (torch_copy, {}),
@@ -285,23 +282,10 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool, compare_groups=()):
         # vllm-ascend's launcher as the product calls it (its Ascend defaults), beside the GPU sweep
         backends["memmove_product"] = (
             lambda b: mm.batch_memmove(b.src_ptrs, b.dst_ptrs, b.sizes),
-            {"block": mm.BLOCK_SIZE, "tiles": 1},
+            {"block": mm.BLOCK_SIZE},
         )
-        for block, tiles, warps in (
-            (8192, 16, 4),
-            (8192, 32, 4),
-            (8192, 64, 4),
-            (16384, 16, 4),
-            (16384, 32, 4),
-            (32768, 16, 4),
-            (32768, 32, 4),
-            (16384, 16, 2),
-            (8192, 16, 8),
-        ):
-            backends[f"memmove_b{block}_t{tiles}_w{warps}"] = (
-                memmove_cfg(block, tiles, warps),
-                {"block": block, "tiles": tiles, "num_warps": warps},
-            )
+        for block, warps in ((8192, 4), (16384, 4), (32768, 4), (16384, 2), (8192, 8)):
+            backends[f"memmove_b{block}_w{warps}"] = (memmove_cfg(block, warps), {"block": block, "num_warps": warps})
     return backends
 
 
@@ -618,7 +602,7 @@ def main(argv=None):
     parser.add_argument("--d2d-mib", type=int, default=1024)
     parser.add_argument("--backends", help="comma-separated subset")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="memory layouts, comma-separated")
-    parser.add_argument("--sweep", action="store_true", help="also time memmove block/tile variants")
+    parser.add_argument("--sweep", action="store_true", help="also time memmove block/warp variants")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument(
         "--compare-groups", action="append", default=[], metavar="NAME=PATH", help="time another mamba_copy_groups.py"

@@ -93,7 +93,6 @@ RELEASE_DEPENDENT = {"v2/mamba/precopy.py"}
 
 # (label, module under vllm_ascend/ops/triton, kernel, signature, constexprs)
 KERNELS = [
-    ("batch_memmove_kernel", "batch_memmove.py", "batch_memmove_kernel", BATCH_COPY_SIG, {"BLOCK_SIZE": 8192}),
     (
         "postprocess_mamba_fused_kernel",
         "mamba/postprocess.py",
@@ -129,7 +128,8 @@ KERNELS = [
         PRECOPY_SIG,
         {**PRECOPY_CONSTS, "CONV_STATE_DIM_FIRST": True, "HAS_IDX_MAPPING": True, "TEMPORAL_TILES": 4},
     ),
-    ("batch_memcpy_kernel (baseline)", "batch_memcpy.py", "batch_memcpy_kernel", BATCH_COPY_SIG, {"BLOCK_SIZE": 8192}),
+    # the pointer kernel of VLLM_ASCEND_MAMBA_COPY_BACKEND=triton and =memmove (batch_memmove launches it)
+    ("batch_memcpy_kernel", "batch_memcpy.py", "batch_memcpy_kernel", BATCH_COPY_SIG, {"BLOCK_SIZE": 8192}),
 ]
 
 

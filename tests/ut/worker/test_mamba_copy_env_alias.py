@@ -29,7 +29,7 @@ def test_alias_selects_the_raw_pointer_kernel(monkeypatch, alias, upstream, acti
     monkeypatch.delenv(ALIAS, raising=False)
     with bound(monkeypatch, env=_env(alias, upstream)) as module:  # start-up binds the copy path
         assert active == module._MAMBA_COPY_BACKEND
-        assert (mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_torch) == (active == "torch")
+        assert (mamba_utils.collect_mamba_copy_meta is module._collect_mamba_copy_meta_npu) == (active == "torch")
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,13 @@
 #
 """The pointer copy paths of patch_mamba_utils: VLLM_ASCEND_MAMBA_COPY_BACKEND=memmove, and triton (A/B).
 
-Real Triton cannot run under tests/ut (its conftest mocks ``triton.runtime``), so a launch is a
-host model of one unordered launch: every pair a memmove of its own, pairs in reverse order (one
-legal schedule, and the adversarial one for pair order). Oracle: numpy memmove of every pair, in
-pair order. The kernel itself is tested by
+``memmove`` checks the pointer tables on the host and runs batch_memmove (upstream's
+batch_memcpy_kernel, pairs that interact with another pair apart, in pair order); ``triton``
+launches batch_memcpy_kernel as upstream does, with nothing added on the host. Real Triton
+cannot run under tests/ut (its conftest mocks ``triton.runtime``), so a launch is a host model
+of one unordered launch: every pair a memmove of its own, pairs in reverse order (one legal
+schedule, and the adversarial one for pair order). Oracle: numpy memmove of every pair, in pair
+order. The launcher on a device (or the Triton interpreter) is tested by
 tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_batch_memmove.py.
 """
 
@@ -31,24 +34,26 @@ import pytest
 import torch
 from vllm.v1.utils import CpuGpuBuffer
 
+from vllm_ascend.ops.triton import batch_memmove
 from vllm_ascend.patch.worker import patch_mamba_utils as pm
 from vllm_ascend.worker.mamba_copy_checks import MambaCopyValidationError
 
-# (src, dst, size) byte offsets into one pool, per layer: a same-block left shift, a right overlap,
-# a move chained through block 512 (512 -> 768, then 256 -> 512: the second must run after the
-# first) and a source shared by two pairs.
+# (src, dst, size) byte offsets into one pool, per layer: a same-block left shift (the conv
+# shift), a move between blocks, a move chained through block 512 (512 -> 768, then 256 -> 512:
+# the second must run after the first) and a source shared by two pairs.
 LAYERS = {
-    "layers.0.linear_attn": [(16, 0, 96), (128, 160, 64), (512, 768, 128), (256, 512, 128)],
+    "layers.0.linear_attn": [(16, 0, 96), (128, 192, 32), (512, 768, 128), (256, 512, 128)],
     "layers.1.linear_attn": [(1024, 1280, 64), (1024, 1536, 64), (1100, 1090, 40)],
 }
-PATHS = ["whole_batch", "layerwise"] if hasattr(pm, "prepare_mamba_copy_by_layer") else ["whole_batch"]
+PAIRS = [p for pairs in LAYERS.values() for p in pairs]
+PATHS = ["whole_batch", "layerwise"]
 
 
 class UnorderedLaunch:
     def __init__(self):
         self.launches = []
 
-    def __call__(self, src_ptrs, dst_ptrs, sizes, **kwargs):
+    def __call__(self, src_ptrs, dst_ptrs, sizes):
         pairs = list(zip(src_ptrs.tolist(), dst_ptrs.tolist(), sizes.tolist()))
         self.launches.append(pairs)
         for s, d, n in reversed(pairs):
@@ -63,7 +68,7 @@ def memmove_oracle(pool: np.ndarray, pairs) -> np.ndarray:
 
 
 def make_copy_bufs(pool: torch.Tensor, layers=LAYERS):
-    """MambaCopyBuffers as the collector leaves them: pointer tables (and, per layer, their rows)."""
+    """MambaCopyBuffers as the pointer collector leaves them: pointer tables (and, per layer, their rows)."""
     base = pool.data_ptr()
     dtypes = (torch.int64, torch.int64, torch.int32)
     tables = [CpuGpuBuffer(16, dtype=dtype, device=torch.device("cpu"), pin_memory=False) for dtype in dtypes]
@@ -85,7 +90,6 @@ def make_copy_bufs(pool: torch.Tensor, layers=LAYERS):
         _layer_copy_staged=False,
         _layer_tensor_copy_pairs={},
         _tensor_copy_pairs=[],
-        _mamba_copy_pools={base: base + pool.numel()},
     )
 
 
@@ -96,20 +100,21 @@ def run(copy_bufs, path: str) -> None:
         for name in list(copy_bufs._layer_copy_metadata):
             pm.do_mamba_copy_block_for_layer(copy_bufs, name)
         return
-    if hasattr(pm, "_stage_mamba_copy_metadata"):  # releases that stage the tables in preprocess_mamba
-        pm._stage_mamba_copy_metadata(copy_bufs)
+    pm._stage_mamba_copy_metadata(copy_bufs)
     pm._do_mamba_copy_block_npu(copy_bufs)
 
 
-@pytest.fixture(params=["memmove", "triton"])
-def launch(request, monkeypatch):
-    """The backend's launch, replaced by UnorderedLaunch; the other pointer kernel must not run."""
-    monkeypatch.setattr(pm, "_MAMBA_COPY_BACKEND", request.param)
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernel launches of each pointer backend, replaced by UnorderedLaunch."""
     launches = {"memmove": UnorderedLaunch(), "triton": UnorderedLaunch()}
-    monkeypatch.setattr(pm, "batch_memmove", launches["memmove"])
+    monkeypatch.setattr(batch_memmove, "_launch", launches["memmove"])
     monkeypatch.setattr(pm, "_batch_memcpy_triton", launches["triton"])
-    yield launches[request.param]
-    assert not launches["triton" if request.param == "memmove" else "memmove"].launches
+    return launches
+
+
+def use_backend(monkeypatch, backend):
+    monkeypatch.setattr(pm, "_MAMBA_COPY_BACKEND", backend)
 
 
 def test_memmove_is_an_accepted_backend(monkeypatch):
@@ -118,26 +123,48 @@ def test_memmove_is_an_accepted_backend(monkeypatch):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_pointer_paths_equal_pair_order_memmove(launch, path):
+def test_memmove_equals_pair_order_memmove(monkeypatch, launches, path):
+    use_backend(monkeypatch, "memmove")
     pool = torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    expected = memmove_oracle(pool.numpy(), [p for pairs in LAYERS.values() for p in pairs])
+    expected = memmove_oracle(pool.numpy(), PAIRS)
     run(make_copy_bufs(pool), path)
     np.testing.assert_array_equal(pool.numpy(), expected)
     # The chained pairs (rows 2 and 3) run apart, in pair order; everything else in one launch a layer.
-    assert len(launch.launches) == (3 if path == "whole_batch" else 4)
+    assert len(launches["memmove"].launches) == (3 if path == "whole_batch" else 4)
+    assert not launches["triton"].launches
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_triton_launches_batch_memcpy_as_upstream_with_no_host_checks(monkeypatch, launches, path):
+    """A/B: one unchecked launch of the staged rows (a layer's on the layerwise path), even for a chain."""
+
+    def fail(*args):
+        raise AssertionError("pointer tables checked on the triton path")
+
+    use_backend(monkeypatch, "triton")
+    monkeypatch.setattr(pm, "validate_copy_batch", fail)
+    monkeypatch.setattr(pm, "conflicting_pairs", fail)
+    pool = torch.zeros(2048, dtype=torch.uint8)
+    run(make_copy_bufs(pool), path)
+    base = pool.data_ptr()
+    rows = [(base + s, base + d, n) for s, d, n in PAIRS]
+    expected = [rows] if path == "whole_batch" else [rows[:4], rows[4:]]
+    assert launches["triton"].launches == expected
+    assert not launches["memmove"].launches
 
 
 @pytest.mark.parametrize(
     ("row", "column", "value", "what"),
     [
         (1, 1, lambda base: 0, "destination address <= 0"),
-        (5, 0, lambda base: base + 4096, "source range outside every state pool"),
         (2, 2, lambda base: -4, "size outside"),
+        (5, 1, lambda base: base + 1030, r"destination overlaps its source from above \(dst > src\)"),
     ],
-    ids=["null destination", "source outside the pool", "negative size"],
+    ids=["null destination", "negative size", "right overlap"],
 )
 @pytest.mark.parametrize("path", PATHS)
-def test_bad_tables_never_reach_a_launch(launch, path, row, column, value, what):
+def test_memmove_refuses_bad_tables_before_any_launch(monkeypatch, launches, path, row, column, value, what):
+    use_backend(monkeypatch, "memmove")
     pool = torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     before = pool.clone()
     copy_bufs = make_copy_bufs(pool)
@@ -146,7 +173,7 @@ def test_bad_tables_never_reach_a_launch(launch, path, row, column, value, what)
     copy_bufs._layer_copy_metadata[name][column][row % 4] = value(pool.data_ptr())
     with pytest.raises(MambaCopyValidationError, match=f"copy {row} of 7: {what}"):
         run(copy_bufs, path)
-    assert not launch.launches
+    assert not launches["memmove"].launches
     assert torch.equal(pool, before)
 
 
@@ -156,11 +183,8 @@ def test_default_backend_checks_nothing(monkeypatch):
     def fail(*args):
         raise AssertionError("pointer tables checked on the torch path")
 
-    monkeypatch.setattr(pm, "_MAMBA_COPY_BACKEND", "torch")
+    use_backend(monkeypatch, "torch")
     monkeypatch.setattr(pm, "validate_copy_batch", fail)
     monkeypatch.setattr(pm, "conflicting_pairs", fail)
-    copy_bufs = make_copy_bufs(torch.zeros(2048, dtype=torch.uint8))
-    if hasattr(pm, "prepare_mamba_copy_by_layer"):
-        pm.prepare_mamba_copy_by_layer(copy_bufs)
-    if hasattr(pm, "_stage_mamba_copy_metadata"):
-        pm._stage_mamba_copy_metadata(copy_bufs)
+    pm.prepare_mamba_copy_by_layer(make_copy_bufs(torch.zeros(2048, dtype=torch.uint8)))
+    pm._stage_mamba_copy_metadata(make_copy_bufs(torch.zeros(2048, dtype=torch.uint8)))

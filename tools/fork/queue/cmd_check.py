@@ -66,10 +66,13 @@ def reproduce_problems(patches: list[Patch], rendered: list[tuple[str, bytes]]) 
 
 def overlay_problems(cfg: ForkConfig, tree: Path, version: str, patches: list[Patch]) -> list[str]:
     """Files the fork adds: the same bytes on every base as in the overlay, which holds each file as
-    the whole series leaves it (later patches may change files earlier ones added). On another
-    base, files of patches the pin does not apply (variant-only) and overlay files of pin patches
-    that base skips (already upstream there) are not expected."""
+    the whole series leaves it on the pin (later patches may change files earlier ones added). On
+    another base, files of patches the pin does not apply (variant-only) and overlay files of pin
+    patches that base skips (already upstream there) are not expected, and a file that one of that
+    base's own versions of a patch adds or changes may differ (a test of what that release has)."""
     own = overlay.ownership(tree, version)
+    variants = cfg.variants_dir(version)
+    own_version = {i for i, p in enumerate(patches) if version != cfg.pin.version and p.path.parent == variants}
     name_of = {i: patches[i].name if i < len(patches) else own.commits[i][:12] for i in range(len(own.commits))}
     problems = []
     added = own.added_in_overlay()
@@ -86,6 +89,8 @@ def overlay_problems(cfg: ForkConfig, tree: Path, version: str, patches: list[Pa
     for path in sorted(present - added):
         problems.append(f"{path}: in the overlay but no patch adds it (upstream has it, or it was never exported)")
     for path in sorted(added & present):
+        if own_version & {*own.created[path], *own.modified.get(path, [])}:
+            continue
         if (cfg.root / path).read_bytes() != overlay.blob(tree, "HEAD", path):
             problems.append(f"{path}: overlay differs from patch {name_of[own.created[path][0]]}; run export")
     return problems

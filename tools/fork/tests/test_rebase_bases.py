@@ -241,3 +241,31 @@ def test_first_use_from_the_cache_and_from_the_registry(tmp_path, monkeypatch):
     cached = fork.cache / "sdists" / "vllm_ascend-1.3.tar.gz"
     assert config.load(fork.root).pin == config.Base("1.3", upstream.sha256_of(cached))
     assert [b.version for b in config.load(fork.root).bases] == [A, C, "1.3"]
+
+
+def test_a_base_may_give_a_file_the_fork_adds_its_own_bytes_in_its_own_version_of_a_patch(tmp_path, monkeypatch):
+    """The overlay is the pin's end state. On an older base, a test file that base's own version of a
+    patch adds may differ from it (a test of what that release has); without a variant it may not."""
+    code_upstream = edited(UPSTREAM, {UTILS: P2_CODE})  # the newer release already has patch 2's code
+    test_only = [SERIES[0], (SERIES[1][0], {SNAPSHOT_TEST: SERIES[1][1][SNAPSHOT_TEST]}), SERIES[2]]
+    fork = Fork(tmp_path, monkeypatch, {A: UPSTREAM, B: code_upstream}, B, [B, A])
+    fork.names = fork.make_series(test_only)
+    fork.ok("rebase", "--onto", A, "--older")
+    tree, name = fork.tree, fork.names[1]
+    second = git.out(["rev-list", "--reverse", f"v{A}..HEAD"], tree).split()[1]
+    (tree / UTILS).write_text(P2_CODE(UPSTREAM[UTILS]))
+    git.run(["commit", "-q", "-a", f"--fixup={second}"], tree)
+    git.run(["rebase", "-q", "-i", "--autosquash", f"v{A}"], tree, env={"GIT_SEQUENCE_EDITOR": "true"})
+    fork.ok("export")
+    fork.ok("rebase", "--onto", B)
+    variant = fork.root / "patches" / "bases" / A / name
+    pin_patch = fork.patch(name)
+    variant.write_bytes(variant.read_bytes().replace(b"+    assert True\n", b"+    assert 1.0\n"))
+    assert variant.read_bytes().count(b"+    assert 1.0\n") == 1
+    fork.ok("check", "--all-bases")
+    assert fork.patch(name) == pin_patch
+    variant.unlink()  # 1.0 now applies the pin's version: its file must equal the overlay
+    shared = fork.root / SNAPSHOT_TEST
+    shared.write_text(shared.read_text() + "# the overlay changed, the patch did not\n")
+    r = fork.cli("check", "--all-bases")
+    assert r.rc == EXIT_FAILED and f"{SNAPSHOT_TEST}: overlay differs" in r.out

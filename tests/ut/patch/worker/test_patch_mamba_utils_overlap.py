@@ -16,9 +16,7 @@ derandomized) or ``long`` for manual runs.
 
 import contextlib
 import ctypes
-import functools
 import importlib
-import importlib.util
 import os
 from types import SimpleNamespace
 
@@ -32,14 +30,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpe
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker import mamba_utils
 
+import vllm_ascend.device.hardware_profile as hardware_profile
 import vllm_ascend.envs as envs_ascend
 import vllm_ascend.patch.worker.patch_mamba_utils as pm
-import vllm_ascend.utils
-
-try:  # vllm-ascend 0.27.1rc1 on: hardware profiles gate the Triton batch memcpy
-    import vllm_ascend.device.hardware_profile as hardware_profile
-except ImportError:  # earlier releases: is_310p()
-    hardware_profile = None
 
 settings.register_profile(
     "ci", max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -48,28 +41,9 @@ settings.register_profile("long", max_examples=2000, deadline=None, suppress_hea
 FUZZ = settings.get_profile(os.environ.get("VLLM_ASCEND_FUZZ_PROFILE", "ci"))
 
 
-class CopyFuncs(tuple):
-    """The copy functions in both shapes releases pass them: a tuple, or a mapping by mamba_type."""
-
-    def __getitem__(self, key):
-        return super().__getitem__(key) if isinstance(key, (int, slice)) else tuple(self)
-
-
 ENV = "VLLM_ASCEND_MAMBA_COPY_BACKEND"
-COPY_FUNCS = CopyFuncs((get_conv_copy_spec, get_temporal_copy_spec))
 GUARD = 64
-# The layerwise copy path (prepare/do/finish_mamba_copy_by_layer), where the release has it.
-LAYERWISE = hasattr(pm, "prepare_mamba_copy_by_layer")
-RUNS = ["run_whole_batch", "run_layerwise"] if LAYERWISE else ["run_whole_batch"]
-
-
-@functools.cache
-def _vllm_mamba_utils():
-    """An unpatched copy of vLLM's mamba_utils module."""
-    spec = importlib.util.spec_from_file_location("_unpatched_vllm_mamba_utils", mamba_utils.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+RUNS = ["run_whole_batch", "run_layerwise"]
 
 
 @contextlib.contextmanager
@@ -82,13 +56,8 @@ def bound(monkeypatch, backend=None, npu=True, env=None):
         mp.delenv(ENV, raising=False)
         for name, value in (env or ({ENV: backend} if backend is not None else {})).items():
             mp.setenv(name, value)
-        if hardware_profile is not None:
-            profile = SimpleNamespace(supports=lambda capability: npu)
-            mp.setattr(hardware_profile, "get_current_hardware_profile", lambda: profile)
-        else:
-            mp.setattr(vllm_ascend.utils, "is_310p", lambda: not npu)
-        # vLLM's own collector, as a fresh start-up finds it (the first import may have bound another).
-        mp.setattr(mamba_utils, "collect_mamba_copy_meta", _vllm_mamba_utils().collect_mamba_copy_meta)
+        profile = SimpleNamespace(supports=lambda capability: npu)
+        mp.setattr(hardware_profile, "get_current_hardware_profile", lambda: profile)
         try:
             importlib.reload(pm)
             yield pm
@@ -162,7 +131,7 @@ class World:
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(layer_names=list(self.layer_names), kv_cache_spec=spec)],
         )
-        self.copy_funcs = COPY_FUNCS
+        self.copy_funcs = {spec.mamba_type: (get_conv_copy_spec, get_temporal_copy_spec)}
         self.copy_bufs = mamba_utils.MambaCopyBuffers.create(8, self.kv_cache_config, self.copy_funcs, make_buffer)
         self.base = self.raw.data_ptr()
         self.copies = []
@@ -173,8 +142,7 @@ class World:
     def start_step(self):
         # What preprocess_mamba does before collecting.
         self.copy_bufs.offset = 0
-        if LAYERWISE:
-            pm._reset_layerwise_copy_meta(self.copy_bufs)
+        pm._reset_layerwise_copy_meta(self.copy_bufs)
         self.copies = []
 
     def collect(self, block_ids, src_idx, dest_idx, bias):
@@ -202,12 +170,18 @@ class World:
             self.copies.append((t_src, temp + dst_blk * self.temporal_bytes, self.temporal_bytes))
 
     def run_whole_batch(self):
-        if hasattr(pm, "_stage_mamba_copy_metadata"):  # where the release stages during preprocessing
-            pm._stage_mamba_copy_metadata(self.copy_bufs)
+        self.stage()
         mamba_utils.do_mamba_copy_block(self.copy_bufs)
 
+    def stage(self):
+        # What preprocess_mamba does after collecting, on the NPU path.
+        if self.copy_bufs._layer_copy_metadata:
+            pm.prepare_mamba_copy_by_layer(self.copy_bufs)
+        else:
+            pm._stage_mamba_copy_metadata(self.copy_bufs)
+
     def run_layerwise(self):
-        mamba_utils.prepare_mamba_copy_by_layer(self.copy_bufs)
+        self.stage()
         for name in self.layer_names:
             mamba_utils.do_mamba_copy_block_for_layer(self.copy_bufs, name)
         mamba_utils.finish_mamba_copy_by_layer(self.copy_bufs)
@@ -235,10 +209,10 @@ def _step(world, requests):
         world.collect(block_ids, src_idx, dest_idx, bias)
 
 
-def test_npu_default_binds_upstream_torch_collector_and_copy(monkeypatch):
+def test_npu_default_binds_the_tensor_pair_path(monkeypatch):
     with bound(monkeypatch) as module:
-        assert mamba_utils.collect_mamba_copy_meta is module._collect_mamba_copy_meta_torch
-        assert mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_torch
+        assert mamba_utils.collect_mamba_copy_meta is module._collect_mamba_copy_meta_npu
+        assert mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_npu_torch
         assert envs_ascend.VLLM_ASCEND_MAMBA_COPY_BACKEND == "torch"
         assert ENV in envs_ascend.env_variables
 
@@ -258,24 +232,23 @@ def test_same_block_conv_shift_matches_memmove(monkeypatch, bias, run):
 
 
 @pytest.mark.parametrize("run", RUNS)
-def test_pointer_tables_still_filled_for_ab_runs(monkeypatch, run):
-    """torch path: the pointer tables hold the same copies as the tensor pairs, per layer too."""
+def test_per_pair_collector_files_each_pair_under_its_layer(monkeypatch, run):
+    """torch path, per-pair collector: every tensor pair once, under its layer, for the layerwise copy."""
     world = World()
     with bound(monkeypatch):
         # the per-pair collector (copy functions the grouped path does not know)
         monkeypatch.setattr(pm.mamba_copy_groups, "record", lambda *args: False)
         _step(world, [([3, 5, 5, 7, 9], 1, 2, 1), ([4, 6, 8, 1, 10], 0, 2, 2)])
-        n = world.copy_bufs.offset
-        pairs = world.copy_bufs._tensor_copy_pairs
-        assert n == len(world.copies) == len(pairs)
-        got = list(zip(world.copy_bufs.src_ptrs.np[:n], world.copy_bufs.dst_ptrs.np[:n], world.copy_bufs.sizes.np[:n]))
-        assert [tuple(int(x) for x in g) for g in got] == world._abs()
-        assert [(s.data_ptr(), d.data_ptr(), s.numel() * s.element_size()) for s, d in pairs] == world._abs()
-        if LAYERWISE:
-            per_layer = world.copy_bufs._layer_copy_metadata
-            assert list(per_layer) == world.layer_names
-            flat = [c for name in world.layer_names for c in zip(*per_layer[name])]
-            assert sorted(flat) == sorted(world._abs())
+        bufs = world.copy_bufs
+        assert bufs.offset == len(world.copies) == len(bufs._tensor_copy_pairs)
+        per_layer = bufs._layer_tensor_copy_pairs
+        assert list(per_layer) == list(bufs._layer_copy_metadata) == world.layer_names
+
+        def ranges(pairs):
+            return [(s.data_ptr(), d.data_ptr(), s.numel() * s.element_size()) for s, d in pairs]
+
+        assert sorted(r for name in world.layer_names for r in ranges(per_layer[name])) == sorted(world._abs())
+        assert ranges(bufs._tensor_copy_pairs) == world._abs()
         before = world.bytes()
         getattr(world, run)()
     world.assert_memmove(before)
@@ -286,8 +259,8 @@ def test_triton_backend_restores_the_pointer_kernel(monkeypatch):
     world = World()
     with bound(monkeypatch, "triton") as module:
         kernel = use_kernel(monkeypatch, UnorderedKernel())
-        assert mamba_utils.collect_mamba_copy_meta is not module._collect_mamba_copy_meta_torch
-        assert mamba_utils.do_mamba_copy_block is not module._do_mamba_copy_block_torch
+        assert mamba_utils.collect_mamba_copy_meta is module._collect_mamba_copy_meta_with_layers
+        assert mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_npu
         _step(world, [([3, 5, 5, 7, 9], 1, 2, 1)])
         world.run_whole_batch()
         assert len(kernel.launches) == 1 and sorted(kernel.launches[0]) == sorted(world._abs())
@@ -312,11 +285,28 @@ def test_value_is_normalised_and_logged_once(monkeypatch, value, active):
         assert said == [f"Mamba state copies: {ENV}={active}"]
 
 
-def test_310p_keeps_its_tensor_copy_fallback(monkeypatch):
+def test_310p_binds_the_per_pair_copy_of_its_release(monkeypatch):
+    """310P keeps the release's own tensor-copy fallback: collector and copy unchanged, one pair at a
+    time, whatever VLLM_ASCEND_MAMBA_COPY_BACKEND says; the grouped copy never runs there."""
+    world = World()
+
+    def spy(*args, **kwargs):
+        raise AssertionError("the grouped copy ran on 310P")
+
     with bound(monkeypatch, npu=False) as module:
+        monkeypatch.setattr(module.mamba_copy_groups, "record", spy)
+        monkeypatch.setattr(module.mamba_copy_groups, "copy", spy)
         assert mamba_utils.collect_mamba_copy_meta is module._collect_mamba_copy_meta_torch
         assert mamba_utils.do_mamba_copy_block is module._do_mamba_copy_block_torch
         assert mamba_utils.postprocess_mamba_align_gpu is module._postprocess_mamba_align_gpu_cpu_fallback
+        copied = []
+        monkeypatch.setattr(torch.Tensor, "clone", lambda self, f=torch.Tensor.clone: copied.append(1) or f(self))
+        _step(world, [([3, 5, 5, 7, 9], 1, 2, 1), ([4, 6, 8, 8, 10], 2, 3, 0)])
+        assert world.copy_bufs._layer_copy_metadata == {}  # the layerwise tables stay the NPU path's
+        before = world.bytes()
+        mamba_utils.do_mamba_copy_block(world.copy_bufs)
+        assert len(copied) == len(world.copies)  # dst.copy_(src.clone()), pair by pair
+    world.assert_memmove(before)
 
 
 _request = st.integers(0, 2).flatmap(
@@ -330,7 +320,7 @@ _request = st.integers(0, 2).flatmap(
 
 
 @FUZZ
-@given(requests=st.lists(_request, min_size=1, max_size=4), layerwise=st.booleans() if LAYERWISE else st.just(False))
+@given(requests=st.lists(_request, min_size=1, max_size=4), layerwise=st.booleans())
 def test_fuzz_any_batch_equals_pair_order_memmove(requests, layerwise):
     """Random block tables (shared and repeated blocks), indices and biases, several requests:
     the bound NPU path equals a memmove of every pair in collection order."""

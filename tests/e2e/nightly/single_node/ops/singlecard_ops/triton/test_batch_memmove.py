@@ -1,17 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""batch_memmove against a numpy memmove oracle.
+"""batch_memmove (batch_memcpy_kernel at vllm-ascend's block of 8 KiB, one program a pair, in
+launches of at most MAX_PROGRAMS programs) against a numpy memmove oracle.
 
-Every pair set is built so that no pair's ranges overlap another pair's
-(only a pair with itself), so the batch has one defined result: numpy memmove
-applied pair by pair to a byte snapshot of the pool. The pool is poisoned and
-randomised first; the whole pool must equal the oracle, so bytes outside the
-destinations must be unchanged. Sizes stay in the KiB range and blocks small,
-so that each pair walks several blocks.
+The pairs are the moves Mamba makes: a destination below an overlapping source (the conv
+shift), a pair onto itself, moves between disjoint ranges; a right overlap is refused on the
+host before staging (tests/ut/worker/test_mamba_copy_checks.py). Pairs that touch another
+pair's ranges are passed as ``ordered``. The batch then has one defined result: numpy memmove
+applied pair by pair to a byte snapshot of the pool. The pool is poisoned and randomised first;
+the whole pool must equal the oracle, so bytes outside the destinations must be unchanged.
 """
 
 import os
-import random
 
 import numpy as np
 import pytest
@@ -22,10 +22,9 @@ from vllm_ascend.ops.triton.batch_memmove import batch_memmove
 
 DEVICE = "npu"
 pytestmark = pytest.mark.skipif(not hasattr(torch, "npu") or not torch.npu.is_available(), reason="NPU required")
-BLOCK_SIZES = [64, 256]
-TILES = 4
+BLOCK = bm.BLOCK_SIZE
 POISON = 0xA5
-KINDS = ("left", "right", "exact", "disjoint")
+KINDS = ("left", "exact", "disjoint")
 # Longer random runs: KERNEL_FUZZ_EXAMPLES=500 pytest ...
 FUZZ_EXAMPLES = int(os.environ.get("KERNEL_FUZZ_EXAMPLES", "25"))
 
@@ -52,7 +51,7 @@ class Arena:
         return start
 
     def pair(self, kind: str, size: int, shift: int) -> tuple[int, int, int]:
-        """(src, dst, size) of one overlap kind; shift > 0 bytes for left/right/disjoint."""
+        """(src, dst, size) of one kind of Mamba move; shift > 0 bytes for left/disjoint."""
         if kind == "exact":
             start = self.take(size)
             return start, start, size
@@ -62,8 +61,6 @@ class Arena:
         start = self.take(size + shift)
         if kind == "left":  # dst < src < dst + size
             return start + shift, start, size
-        if kind == "right":  # src < dst < src + size
-            return start, start + shift, size
         raise ValueError(kind)
 
 
@@ -77,14 +74,14 @@ def make_pool(nbytes: int, seed: int) -> np.ndarray:
     return pool
 
 
-def run_pairs(pool: np.ndarray, pairs, **kwargs) -> np.ndarray:
+def run_pairs(pool: np.ndarray, pairs, ordered=None) -> np.ndarray:
     """Copy pool to the device, run batch_memmove over all pairs, return the pool bytes."""
     dev = torch.from_numpy(pool.copy()).to(DEVICE)
     base = dev.data_ptr()
     src = torch.tensor([base + s for s, _, _ in pairs], dtype=torch.int64, device=DEVICE)
     dst = torch.tensor([base + d for _, d, _ in pairs], dtype=torch.int64, device=DEVICE)
     sizes = torch.tensor([n for _, _, n in pairs], dtype=torch.int32, device=DEVICE)
-    batch_memmove(src, dst, sizes, **kwargs)
+    batch_memmove(src, dst, sizes, ordered)
     torch.npu.synchronize()
     return dev.cpu().numpy()
 
@@ -97,8 +94,8 @@ def bad_pairs(result: np.ndarray, expected: np.ndarray, pairs) -> list:
     return bad
 
 
-def assert_memmove(pool: np.ndarray, pairs, **kwargs) -> None:
-    result = run_pairs(pool, pairs, **kwargs)
+def assert_memmove(pool: np.ndarray, pairs, ordered=None) -> None:
+    result = run_pairs(pool, pairs, ordered)
     expected = memmove_oracle(pool, pairs)
     bad = bad_pairs(result, expected, pairs)
     assert not bad, f"{len(bad)} of {len(pairs)} pairs differ from memmove, first (idx, src, dst, size): {bad[:5]}"
@@ -110,78 +107,62 @@ def assert_memmove(pool: np.ndarray, pairs, **kwargs) -> None:
     assert np.array_equal(result, expected)
 
 
-@pytest.mark.parametrize("elem_size", [1, 2, 4, 8])
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_sizes_around_block_boundaries_every_overlap_kind(elem_size, block_size):
-    """Sizes from one element to several blocks, around block boundaries, every overlap kind, one launch."""
-    blk = block_size // elem_size
-    counts = sorted({1, 2, blk - 1, blk, blk + 1, 2 * blk - 1, 2 * blk + 1, 3 * blk + 3})
-    counts = [c for c in counts if c >= 1]
+@pytest.mark.parametrize("elem_size", [1, 2, 8])
+def test_sizes_around_block_boundaries_every_kind(elem_size):
+    """Sizes from one element to three blocks, around block boundaries, every kind, one launch."""
+    blk = BLOCK // elem_size
+    counts = [1, 3, blk - 1, blk, blk + 1, 2 * blk + 3]
     arena = Arena(align=16)
     pairs = []
     for count in counts:
         size = count * elem_size
-        shifts = sorted({1, 2, max(1, count // 2), count - 1 if count > 1 else 1, count + 3})
         for kind in KINDS:
-            for shift in shifts if kind != "exact" else [0]:
-                if kind in ("left", "right") and shift >= count:
-                    continue  # not overlapping any more; "disjoint" covers it
+            for shift in sorted({1, 16, count - 1}) if kind != "exact" else [0]:
+                if kind == "left" and not 0 < shift < count:
+                    continue  # not overlapping; "disjoint" covers it
                 pairs.append(arena.pair(kind, size, shift * elem_size))
-    pool = make_pool(arena.end + 64, seed=elem_size * 1000 + block_size)
-    assert_memmove(pool, pairs, block_size=block_size, tiles=TILES)
-
-
-@pytest.mark.parametrize("shift", [1, 3, 16, 17, 63])
-def test_right_overlap_walks_blocks_backwards(shift):
-    """dst > src overlapping over many blocks: a forward walk would re-read stored bytes."""
-    arena = Arena()
-    pairs = [arena.pair("right", 7 * 64 + 5, shift), arena.pair("right", 4 * 64, shift)]
-    pool = make_pool(arena.end + 64, seed=shift)
-    assert_memmove(pool, pairs, block_size=64, tiles=TILES)
+    pool = make_pool(arena.end + 64, seed=elem_size)
+    assert_memmove(pool, pairs)
 
 
 @pytest.mark.parametrize("offset", [0, 1, 8])
-def test_unaligned_and_aligned_paths(offset):
-    """16-byte aligned pairs take the vector path, others the byte path; both are memmove."""
+def test_unaligned_pairs(offset):
     arena = Arena(align=16)
     pairs = []
-    for size in (16, 48, 256, 1000, 1024):
-        for kind, shift in (("left", 16), ("right", 32), ("disjoint", 16), ("left", 5), ("right", 7)):
+    for size in (16, 1000, BLOCK + 24):
+        for kind, shift in (("left", 16), ("disjoint", 16), ("left", 5)):
             src, dst, n = arena.pair(kind, size, shift)
             pairs.append((src + offset, dst + offset, n))
         arena.take(offset)
     pool = make_pool(arena.end + 64, seed=offset)
-    assert_memmove(pool, pairs, block_size=256, tiles=TILES)
+    assert_memmove(pool, pairs)
 
 
 def test_exact_and_empty_pairs_leave_pool_untouched():
     arena = Arena()
     pairs = [arena.pair("exact", 300, 0), arena.pair("exact", 1, 0), (arena.take(8), arena.take(8), 0)]
     pool = make_pool(arena.end + 64, seed=7)
-    result = run_pairs(pool, pairs, block_size=64, tiles=TILES)
+    result = run_pairs(pool, pairs)
     assert np.array_equal(result, pool)
 
 
-def _mixed_pairs(rng: random.Random, num_pairs: int, max_size: int):
-    arena = Arena(align=1, gap=rng.randrange(0, 64))
-    pairs = []
-    for _ in range(num_pairs):
-        kind = rng.choice(KINDS)
-        elem = rng.choice((1, 2, 4, 8, 16))
-        size = rng.randrange(1, max_size // elem + 1) * elem
-        shift = rng.randrange(1, max(2, size // elem)) * elem if kind != "exact" else 0
-        arena.align = rng.choice((1, 2, 8, 16, 16, 16))
-        pairs.append(arena.pair(kind, size, shift))
-    rng.shuffle(pairs)
-    return pairs, arena.end
+def test_ordered_pairs_run_apart_in_pair_order(monkeypatch):
+    """A chain (b -> c, then d -> b) and one destination (c) written twice: the unmarked pairs in one
+    launch, then one launch per marked pair, in pair order; the pool equals memmove in pair order."""
+    kernel, grids = bm.batch_memcpy_kernel, []
 
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
 
-@pytest.mark.parametrize("seed", range(3))
-def test_many_pairs_mixed_kinds_one_launch(seed):
-    rng = random.Random(seed)
-    pairs, end = _mixed_pairs(rng, 48, 600)
-    pool = make_pool(end + 64, seed=seed)
-    assert_memmove(pool, pairs, block_size=64, tiles=TILES)
+    monkeypatch.setattr(bm, "batch_memcpy_kernel", RecordingKernel())
+    a, b, c, d, e = (4096 * i for i in range(5))
+    pairs = [(a + 512, a, 1024), (b, c, 2048), (d, b, 2048), (e, c, 100), (e + 4096 + 8, e + 4096, 64)]
+    ordered = np.array([False, True, True, True, False])
+    pool = make_pool(6 * 4096, seed=11)
+    assert_memmove(pool, pairs, ordered)
+    assert grids == [(2,), (1,), (1,), (1,)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -226,7 +207,7 @@ def test_mamba_conv_shift_every_bias_and_temporal_moves(dtype):
 
 
 def test_fuzz_random_geometry():
-    """Random pair sets (hypothesis): any overlap kind, size, element size and offset."""
+    """Random pair sets (hypothesis): any kind of Mamba move, size, element size and offset."""
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 
@@ -244,46 +225,32 @@ def test_fuzz_random_geometry():
         derandomize=True,
         suppress_health_check=list(hypothesis.HealthCheck),
     )
-    @hypothesis.given(st.lists(pair_strategy, min_size=1, max_size=12), st.sampled_from((16, 32, 64)))
-    def check(specs, block_size):
+    @hypothesis.given(st.lists(pair_strategy, min_size=1, max_size=12))
+    def check(specs):
         arena = Arena(align=16, gap=8)
         pairs = []
         for kind, elem, count, shift, misalign in specs:
             arena.take(misalign * elem)
-            pairs.append(arena.pair(kind, count * elem, shift * elem if kind != "exact" else 0))
+            shift = min(shift, count - 1) if kind == "left" else shift
+            pairs.append(arena.pair("disjoint" if kind == "left" and shift == 0 else kind, count * elem, shift * elem))
         pool = make_pool(arena.end + 32, seed=len(specs))
-        assert_memmove(pool, pairs, block_size=block_size, tiles=3)
+        assert_memmove(pool, pairs)
 
     check()
 
 
-def test_launcher_rejects_bad_arguments_before_launch():
-    ok64 = torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    ok32 = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-    # Pointers of 0 would crash a kernel: every case must raise before any launch.
-    for bad in ((ok64, ok64, ok64), (ok32, ok64, ok32), (ok64, ok64[:1], ok32), (ok64.view(1, 2), ok64, ok32)):
-        with pytest.raises(ValueError, match="must be 1-D int64, sizes 1-D int32, of one length and device"):
-            batch_memmove(*bad)
-    with pytest.raises(ValueError, match="block_size"):
-        batch_memmove(ok64, ok64, ok32, block_size=100)
-    for tiles in (0, bm.MAX_PROGRAMS + 1):
-        with pytest.raises(ValueError, match="tiles"):
-            batch_memmove(ok64, ok64, ok32, tiles=tiles)
-    batch_memmove(ok64[:0], ok64[:0], ok32[:0])  # empty batch: nothing to launch
-
-
 def test_large_batches_launch_in_chunks_within_the_grid_limit(monkeypatch):
     """No launch has more than MAX_PROGRAMS programs (triton-ascend's coreDim limit)."""
-    kernel, grids = bm.batch_memmove_kernel, []
+    kernel, grids = bm.batch_memcpy_kernel, []
 
     class RecordingKernel:
         def __getitem__(self, grid):
             grids.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(bm, "MAX_PROGRAMS", 8)
-    monkeypatch.setattr(bm, "batch_memmove_kernel", RecordingKernel())
+    monkeypatch.setattr(bm, "MAX_PROGRAMS", 4)
+    monkeypatch.setattr(bm, "batch_memcpy_kernel", RecordingKernel())
     arena = Arena()
-    pairs = [arena.pair(KINDS[i % 4], 40, 3 if i % 4 != 2 else 0) for i in range(9)]
-    assert_memmove(make_pool(arena.end + 64, seed=3), pairs, block_size=16, tiles=3)
-    assert grids == [(2, 3)] * 4 + [(1, 3)]
+    pairs = [arena.pair(KINDS[i % 3], 40, 3 if i % 3 != 1 else 0) for i in range(9)]
+    assert_memmove(make_pool(arena.end + 64, seed=3), pairs)
+    assert grids == [(4,), (4,), (1,)]

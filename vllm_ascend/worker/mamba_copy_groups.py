@@ -71,19 +71,18 @@ class GroupedCopies:  # what the copy buffers keep
 
 
 def _kind(func, state: torch.Tensor) -> str | None:
-    # vLLM's DS conv layout (dim first) does not shift by rows
-    dim_first = getattr(vllm_mamba, "is_conv_state_dim_first", bool)()
-    conv = vllm_mamba.get_conv_copy_spec
     if state.dim() < 2 or not state[0].is_contiguous():
         return None
     if func is vllm_mamba.get_temporal_copy_spec:
         return "temporal"
-    return "conv" if func is conv and not dim_first else None
+    # vLLM's DS conv layout (dim first) does not shift by rows
+    dim_first = getattr(vllm_mamba, "is_conv_state_dim_first", bool)()
+    return "conv" if func is vllm_mamba.get_conv_copy_spec and not dim_first else None
 
 
 def _layer_states(states, kinds) -> tuple[int, tuple] | None:
-    """(first byte, States) of a layer's states in one storage, if they
-    are disjoint within one block stride."""
+    """(first byte, States) of a layer's states in one storage, or None
+    unless they are disjoint within one block stride."""
     first = min(s.data_ptr() for s in states)
     found = tuple(
         State(k, s.data_ptr() - first, *(n * s.element_size() for n in (s.stride(0), s[0].numel(), s.stride(1))))
@@ -92,66 +91,49 @@ def _layer_states(states, kinds) -> tuple[int, tuple] | None:
     spans = sorted((s.offset, s.offset + s.block_bytes) for s in found)
     stride = found[0].block_stride
     starts = [start for start, _ in spans[1:]] + [stride]
-    if any(s.block_stride != stride for s in found):
-        return None
-    if any(end > start for (_, end), start in zip(spans, starts)):
-        return None
-    return first, found
+    fits = all(end <= start for (_, end), start in zip(spans, starts))
+    return (first, found) if fits and all(s.block_stride == stride for s in found) else None
 
 
 def _storages(layers) -> dict | None:
-    """Per storage: its tensor, row bytes (gcd of every offset and
-    size) and layers {(group, States): [(first byte, name)]}."""
-    found: dict[int, dict] = {}
+    """Per storage: [storage, row bytes (the gcd of every offset and
+    size in it), {(group, States): [(first byte, layer name)]}]."""
+    found: dict[int, list] = {}
     for name, group, states, funcs in layers:
         parts: dict[int, list] = {}
         for s, func in zip(states, funcs):
             parts.setdefault(s.untyped_storage().data_ptr(), []).append((s, _kind(func, s)))
         for ptr, part in parts.items():
-            placed = _layer_states(*zip(*part))
-            if placed is None:
+            if (placed := _layer_states(*zip(*part))) is None:
                 return None
-            first, states_ = placed[0] - ptr, placed[1]
-            new = {"tensor": part[0][0].untyped_storage(), "row": 0, "layers": {}}
-            storage = found.setdefault(ptr, new)
-            storage["layers"].setdefault((group, states_), []).append((first, name))
-            sizes = [n for s in states_ for n in s[1:]]
-            storage["row"] = math.gcd(storage["row"], first, *sizes)
+            first, layer_states = placed[0] - ptr, placed[1]
+            storage = found.setdefault(ptr, [part[0][0].untyped_storage(), 0, {}])
+            storage[2].setdefault((group, layer_states), []).append((first, name))
+            sizes = [n for s in layer_states for n in s[1:]]
+            storage[1] = math.gcd(storage[1], first, *sizes)
     return found
 
 
-def _runs(storages: dict) -> dict | None:
-    """Layers alike at one stride in a storage: {run: {group: names}}."""
-    runs: dict[tuple, dict] = {}
-    for ptr, storage in storages.items():
-        row, size = storage["row"], storage["tensor"].nbytes()
-        size -= size % row
-        for (group, states), at in storage["layers"].items():
+def _discover(copies: GroupedCopies, layers) -> None:
+    """Find the families and places of the layers (or leave None)."""
+    if (storages := _storages(layers)) is None:
+        return
+    # one element type for all: one gather buffer serves every family
+    unit = max(u for u in _DTYPES if all(row % u == 0 for _, row, _ in storages.values()))
+    runs: dict[tuple, dict] = {}  # alike at one stride: {group: names}
+    for storage, row, members in storages.values():
+        size = storage.nbytes() // row * row
+        for (group, states), at in members.items():
             firsts, names = zip(*sorted(at))
             stride = firsts[1] - firsts[0] if len(firsts) > 1 else size - firsts[0]
-            regular = np.diff(firsts).tolist() == [stride] * (len(firsts) - 1)
-            if not regular or firsts[0] + len(firsts) * stride > size:
-                return None  # not at one layer stride
-            run = (ptr, row, states, firsts[0], stride, len(firsts))
-            runs.setdefault(run, {})[group] = names
-    return runs
-
-
-def _discover(copies: GroupedCopies, layers) -> None:
-    """The families and places of the layers (None: not known here)."""
-    storages = _storages(layers)
-    runs = None if storages is None else _runs(storages)
-    if runs is None:
-        return  # copies.families stays None
+            if np.diff(firsts).tolist() != [stride] * (len(firsts) - 1) or firsts[0] + len(firsts) * stride > size:
+                return  # not at one layer stride
+            runs.setdefault((storage, row, states, firsts[0], stride, len(firsts)), {})[group] = names
     copies.families, copies.places = [], {}
-    # one element type for all: one gather buffer serves every family
-    unit = max(u for u in _DTYPES if all(s["row"] % u == 0 for s in storages.values()))
-    for (ptr, row, states, first, stride, count), groups in runs.items():
-        tensor = storages[ptr]["tensor"]
-        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor)
+    for (storage, row, states, first, stride, count), groups in runs.items():
+        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         stack = flat[first : first + count * stride].view(_DTYPES[unit]).view(count, stride // row, -1)
-        layer_rows = stride // row if count > 1 else 0
-        shape = Shape(row, states, count, layer_rows, tuple(sorted(groups)))
+        shape = Shape(row, states, count, stride // row if count > 1 else 0, tuple(sorted(groups)))
         family = Family(shape, stack.view(-1, stack.shape[2]), stack.view(count, -1))
         copies.families.append(family)
         for group, names in groups.items():
@@ -195,8 +177,8 @@ def _read_layers(copies: GroupedCopies, layers) -> None:
 
 
 def _interacting(blocks: np.ndarray) -> np.ndarray:
-    """Moves that share blocks with another in a way that orders them
-    (columns: conv source, temporal source, destination block)."""
+    """Moves whose blocks (conv source, temporal source, destination)
+    another move touches in a way that orders them."""
     each = np.sort(blocks, axis=1)
     each = each[np.diff(each, axis=1, prepend=-1) != 0]  # blocks once
     if np.unique(each).size == each.size:  # no block shared: none
@@ -345,11 +327,8 @@ def copy(copy_bufs, layer_name: str | None = None) -> bool:
     copies = copy_bufs._mamba_copy_groups
     if copies.plan is None or copies.plan.moves is not moves:
         copies.plan = _plan(moves, copies)  # once a step
-    plan = copies.plan
-    if layer_name is None:
-        targets = [Place(f, None, None) for f in copies.families]
-    else:
-        targets = copies.places.get(layer_name, [])
+    plan, every = copies.plan, [Place(f, None, None) for f in copies.families]
+    targets = every if layer_name is None else copies.places.get(layer_name, [])
     (_copy_indexed if plan.direct is None else _copy_direct)(plan, targets)
     _copy_pair_by_pair(copies.layers, plan.serial, layer_name)
     plan.pending.discard(layer_name)

@@ -29,9 +29,7 @@ from vllm.model_executor.layers.mamba import mamba_utils as vllm_mamba
 from vllm_ascend.worker.mamba_copy_checks import conflicting_pairs
 
 GATHER_BYTES = 64 << 20  # the most bytes of temporaries a step holds
-# Direct copies up to this many pairs a family (plus 2 families' worth);
-# beyond, a view per pair costs more host time than the index ops.
-DIRECT_PAIRS_PER_FAMILY = 4
+DIRECT_PAIRS_PER_FAMILY = 4  # direct up to this many a family, plus 8
 INDEX_BYTES = 16  # a row's source and destination index (int64)
 _DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 GROUP, BIAS, CONV_SRC, TEMPORAL_SRC, DST = range(5)  # a Move's fields
@@ -81,8 +79,7 @@ def _kind(func, state: torch.Tensor) -> str | None:
 
 
 def _layer_states(states, kinds) -> tuple[int, tuple] | None:
-    """(first byte, States) of a layer's states in one storage, or None
-    unless they are disjoint within one block stride."""
+    """(first byte, States) of states disjoint in one block stride."""
     first = min(s.data_ptr() for s in states)
     found = tuple(
         State(k, s.data_ptr() - first, *(n * s.element_size() for n in (s.stride(0), s[0].numel(), s.stride(1))))
@@ -143,15 +140,19 @@ def _discover(copies: GroupedCopies, layers) -> None:
 
 
 def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_idx, accept_token_bias, req_state):
-    """Record one request's moves; False when its copy functions or
-    layout are not known here. ``mamba_layers()``: (name, group, states,
-    copy functions) of each Mamba layer, read once a step."""
+    """Record a request's moves; False: not a layout known here.
+    ``mamba_layers()``: (name, group, states, copy functions) a layer."""
     if not hasattr(copy_bufs, "_mamba_copy_groups"):
         copy_bufs._mamba_copy_groups = GroupedCopies()
     copies = copy_bufs._mamba_copy_groups
-    if not getattr(copy_bufs, "_mamba_copy_requests", None):
-        _read_layers(copies, mamba_layers())  # the step's first request
-        copy_bufs._mamba_copy_requests = []
+    if not getattr(copy_bufs, "_mamba_copy_requests", None):  # a new step
+        copies.layers, copy_bufs._mamba_copy_requests = mamba_layers(), []
+        pairs = [(s, f) for *_, states, funcs in copies.layers for s, f in zip(states, funcs)]
+        signature = [(s.data_ptr(), s.shape, f) for s, f in pairs]
+        if signature != copies.signature:  # new KV-cache tensors
+            copies.signature, copies.families = signature, None
+            if all(_kind(f, s) for s, f in pairs):
+                _discover(copies, copies.layers)
     if copies.families is None or accept_token_bias < 0:
         return False
     src, bias = src_block_idx, accept_token_bias
@@ -163,17 +164,6 @@ def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_i
     for name, *_ in copies.layers if metadata is not None else ():
         metadata.setdefault(name, ([], [], []))  # layers to visit
     return True
-
-
-def _read_layers(copies: GroupedCopies, layers) -> None:
-    """Keep the step's layers; find their layout when it changed."""
-    pairs = [(s, f) for *_, states, funcs in layers for s, f in zip(states, funcs)]
-    signature = [(s.data_ptr(), s.shape, f) for s, f in pairs]
-    if signature != copies.signature:
-        copies.signature, copies.families = signature, None
-        if all(_kind(f, s) for s, f in pairs):
-            _discover(copies, layers)
-    copies.layers = layers
 
 
 def _interacting(blocks: np.ndarray) -> np.ndarray:
@@ -209,8 +199,7 @@ def _rows(table: np.ndarray, shape: Shape) -> Ranges:
 
 
 def _direct(rows: Ranges, shape: Shape, unit: int) -> tuple[Ranges, Ranges]:
-    """Element ranges of direct copies: unstaged, staged (a source
-    shifted inside its own block, read whole before any write)."""
+    """Element ranges to copy directly, and to stage first (overlaps)."""
     src, dst, length = (x * (shape.row_bytes // unit) for x in rows[:3])
     keep = src != dst  # a move onto itself changes nothing
     staged = keep & (np.abs(src - dst) < length)
@@ -319,8 +308,7 @@ def _copy_pair_by_pair(layers, moves: list, layer_name) -> None:
 
 
 def copy(copy_bufs, layer_name: str | None = None) -> bool:
-    """Copy the recorded moves of every layer (and forget them), or of
-    one layer; False when none are recorded."""
+    """Copy the step (and forget it) or one layer; False: no moves."""
     moves = getattr(copy_bufs, "_mamba_copy_requests", None)
     if not moves:
         return False

@@ -42,8 +42,8 @@ def _mutate(mp: pytest.MonkeyPatch, name: str) -> None:
 
         def unstaged(rows, shape, unit):
             plain, staged = direct(rows, shape, unit)
-            merged = groups.Ranges(*(np.concatenate(pair) for pair in zip(plain, staged)))
-            return merged, groups.Ranges(*(x[:0] for x in staged))
+            merged = groups.Ranges(*(list(a) + list(b) for a, b in zip(plain, staged)))
+            return merged, groups.Ranges([], [], [], [])
 
         mp.setattr(groups, "_direct", unstaged)
     elif name == "cap_ignored":

@@ -1,21 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Grouped tensor copies of align-mode Mamba state moves (``torch`` path).
+"""Grouped copies of align-mode Mamba state moves (the ``torch`` path).
 
-A request moves every layer's states of a KV-cache group with the same
-block ids, so ``record`` keeps one ``Move`` per request and group. It
-finds *families*: a group's layers that one storage holds at one stride
-(all of them where one allocation holds every layer), with other groups'
-layers at the same places; each a (layers, rows, row) view where a move
-is the same rows in every layer. Other layouts: False, copy per pair.
-Moves whose blocks interact are copied pair by pair, in order; the rest
-touch blocks nobody else does, so only a conv shift overlaps itself.
-Small steps: one ``_foreach_copy_`` of views over a family's layers
-(shifted sources staged first). Larger: ``index_select`` rows into a
-buffer, then ``index_copy_``, in chunks; a chunk reads before it writes
-and shifts go to lower rows, so no chunk reads what an earlier wrote.
-Staging, buffer and row indices stay under ``GATHER_BYTES`` while the
-indices (16 bytes a row) fit in half of it; else indices + half. A
-per-pair copy clones one state block. See docs/copy-groups.md.
+Moves: a request moves the states of every layer of a KV-cache group
+with the same block ids, so ``record`` keeps one ``Move`` per request
+and group instead of a tensor pair per layer and state.
+Layout: the layers of a group that one storage holds at one stride
+(all of them when one allocation holds every layer) form a *family*,
+with other groups' layers at the same places. A family is seen as
+(layers, rows, row), so a move is the same rows in every layer. Other
+layouts: ``record`` says False and the caller copies pair by pair.
+Hazards: moves whose blocks interact go pair by pair, in order. The
+rest touch blocks no other move touches: only a conv state shifted
+inside its own block overlaps itself.
+Strategies: a small step is one ``_foreach_copy_`` of views spanning a
+family's layers (shifted sources staged first); a larger one gathers
+rows into a buffer (``index_select``) and scatters them (``index_copy_``)
+chunk by chunk: a chunk reads before it writes, and shifts go to lower
+rows, so no chunk reads what an earlier one wrote.
+Memory: staging, gather buffer and row indices stay under
+``GATHER_BYTES`` (the exception and its bound: docs/copy-groups.md).
 """
 
 import math
@@ -56,6 +59,7 @@ class Plan:  # how one step's moves are copied (once a step)
     direct: dict | None = None  # Shape: (unstaged, staged) Ranges
     indexed: dict | None = None  # Shape: RowIndex
     buffer: torch.Tensor | None = None
+    chunks: dict = field(default_factory=dict)  # Shape: _chunks
 
 
 @dataclass
@@ -203,8 +207,8 @@ def _direct(rows: Ranges, shape: Shape, unit: int) -> tuple[Ranges, Ranges]:
     src, dst, length = (x * (shape.row_bytes // unit) for x in rows[:3])
     keep = src != dst  # a move onto itself changes nothing
     staged = keep & (np.abs(src - dst) < length)
-    pick = [keep & ~staged, staged]
-    return tuple(Ranges(src[m], dst[m], length[m], rows.group[m]) for m in pick)
+    pick = [keep & ~staged, staged]  # lists: read once a family and call
+    return tuple(Ranges(*(x[m].tolist() for x in (src, dst, length, rows.group))) for m in pick)
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -242,7 +246,7 @@ def _plan(moves: list[Move], copies: GroupedCopies) -> Plan:
     unit, device = families[0].by_row.element_size(), families[0].by_row.device
     if sum(len(rows[f.shape].src) for f in families) <= DIRECT_PAIRS_PER_FAMILY * (len(families) + 2):
         plan.direct = {s: _direct(r, s, unit) for s, r in rows.items()}
-        staged = [plan.direct[f.shape][1].length.sum() * f.shape.layers for f in families]
+        staged = [sum(plan.direct[f.shape][1].length) * f.shape.layers for f in families]
         if sum(staged) * unit <= GATHER_BYTES:
             return plan
         plan.direct = None  # staging over the cap: indexed after all
@@ -261,7 +265,7 @@ def _copy_direct(plan: Plan, targets: list[Place]) -> None:
     for family, layer, group in targets:
         data = family.by_layer if layer is None else family.by_layer[layer : layer + 1]
         for (srcs, dsts), ranges in zip(views, plan.direct[family.shape]):
-            for src, dst, n, g in zip(*(x.tolist() for x in ranges)):
+            for src, dst, n, g in zip(*ranges):
                 if group in (None, g):
                     srcs.append(data[:, src : src + n])
                     dsts.append(data[:, dst : dst + n])
@@ -277,18 +281,27 @@ def _copy_direct(plan: Plan, targets: list[Place]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+def _chunks(buffer: torch.Tensor, index: torch.Tensor, width: int) -> list:
+    """(source rows, destination rows, buffer view) of each chunk."""
+    step = max(1, buffer.numel() // width)
+    full = buffer[: step * width].view(step, width)
+    pairs = zip(index[0].split(step), index[1].split(step)) if index.numel() else ()
+    return [(src, dst, full if len(src) == step else full[: len(src)]) for src, dst in pairs]
+
+
 def _copy_indexed(plan: Plan, targets: list[Place]) -> None:
     """Gather the targets' rows into the buffer and scatter them."""
     for family, layer, group in targets:
         rows, data = plan.indexed[family.shape], family.by_row
-        index = rows.index
-        if layer is not None:  # one layer's rows of one group
+        if layer is None:  # the whole step: chunks shared by a shape
+            chunks = plan.chunks.get(family.shape)
+            if chunks is None:
+                chunks = _chunks(plan.buffer, rows.index, data.shape[1])
+                plan.chunks[family.shape] = chunks
+        else:  # one layer's rows of one group
             first, end = (layer * rows.layer_rows + i for i in rows.groups[group])
-            index = index[:, first:end]
-        step = max(1, plan.buffer.numel() // data.shape[1])
-        full = plan.buffer[: step * data.shape[1]].view(step, -1)
-        for src, dst in zip(index[0].split(step), index[1].split(step)) if index.numel() else ():
-            out = full if len(src) == step else full[: len(src)]
+            chunks = _chunks(plan.buffer, rows.index[:, first:end], data.shape[1])
+        for src, dst, out in chunks:
             torch.index_select(data, 0, src, out=out)
             data.index_copy_(0, dst, out)
 

@@ -204,6 +204,12 @@ class Batch:
         return [(s.clone(), d) for s, d in self.views]
 
 
+def split_pair(item: str) -> tuple[str, str]:
+    """NAME=PATH of --compare-groups."""
+    name, path = item.split("=", 1)
+    return name, path
+
+
 def copy_groups_variant(path, name, **constants):
     """A private copy of a mamba_copy_groups module (its own constants), loaded from `path`."""
     spec = importlib.util.spec_from_file_location(f"_copy_groups_{name}", path)
@@ -256,7 +262,7 @@ def make_backends(kernels, torch, smoke: bool, sweep: bool, compare_groups=()):
         },
         **{
             f"torch_{name}": (grouped(copy_groups_variant(path, name), f"torch_{name}"), {"path": path})
-            for name, path in (item.split("=", 1) for item in compare_groups)
+            for name, path in map(split_pair, compare_groups)
         },
     }
 
@@ -349,8 +355,9 @@ def check_backend(torch, fn, batch) -> bool:
     return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for s, d in ref)
 
 
-def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separate"):
-    """us per pair spent collecting copy metadata on the host, CPU tensors, collector-like loops."""
+def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separate", compare_groups=()):
+    """us per pair spent collecting copy metadata on the host, CPU tensors, collector-like loops; and the host
+    time of a grouped step (record + copy) on small CPU states, per grouped module."""
     blocks = 2 * requests * GROUPS + 2
     # torch.empty: pages are never touched, only addresses are computed.
     pools = make_pools(torch, "cpu", blocks, layers, CONV_ROWS, CONV_DIM, TEMPORAL_SHAPE, layout)
@@ -450,6 +457,26 @@ def host_cost(torch, requests=64, layers=36, reps=3, kernels=None, layout="separ
             return n
 
         out_extra = {"per_pair_collector": per_pair_collector, "grouped_record": grouped_record}
+        # A whole step (record, plan, copy) of each grouped module on small states (conv 3 x 512 B, temporal
+        # 4 KiB): what the module costs the host beside the bytes it moves (one chunk: the cap is not reached).
+        small = make_pools(torch, "cpu", blocks, layers, 3, 256, (4, 16, 16), layout)
+        small_named = [(f"layer.{i}", i % GROUPS, list(small[i]), funcs) for i in range(layers)]
+        modules = {
+            "torch": mcg,
+            **{f"torch_{k}": copy_groups_variant(v, k) for k, v in map(split_pair, compare_groups)},
+        }
+        for label, module in modules.items():
+
+            def grouped_step(module=module, bufs=types.SimpleNamespace()):  # noqa: B008 (one namespace per module)
+                bufs._mamba_copy_requests = []
+                for r in range(requests):
+                    req = types.SimpleNamespace(block_ids=[[b * GROUPS + g for b in tables[r]] for g in range(GROUPS)])
+                    module.record(bufs, lambda: small_named, list(range(GROUPS)), 0, 1, biases[r], req)
+                module.copy(bufs)
+                return n
+
+            grouped_step()  # the layout, found once
+            out_extra[f"grouped_step_{label}"] = grouped_step
 
     out = {}
     for name, fn in (
@@ -536,14 +563,16 @@ def run(args):
             torch.cuda.empty_cache()
     if not args.no_host:
         host_meta = {"device": "host cpu", "versions": meta["versions"], "date": meta["date"]}
-        records += host_records(torch, kernels, args.layouts, host_meta, 2 if smoke else 64, layers)
+        records += host_records(
+            torch, kernels, args.layouts, host_meta, 2 if smoke else 64, layers, compare_groups=args.compare_groups
+        )
     return records
 
 
-def host_records(torch, kernels, layouts, meta, requests=64, layers=LAYERS, reps=3):
+def host_records(torch, kernels, layouts, meta, requests=64, layers=LAYERS, reps=3, compare_groups=()):
     records = []
     for layout in layouts.split(","):
-        for name, vals in host_cost(torch, requests, layers, reps, kernels, layout).items():
+        for name, vals in host_cost(torch, requests, layers, reps, kernels, layout, compare_groups).items():
             records.append({"backend": f"host_{name}", "kind": "host", "layout": layout, **vals, **meta})
             print(
                 f"host {name:>20} {layout:>8}: {vals['us_per_pair']:.2f} us/pair, {vals['ms_per_step']:.2f} ms/step "
@@ -622,7 +651,11 @@ def main(argv=None):
         import torch
 
         meta = {"device": "host cpu", "versions": common.versions(), "date": common.now()}
-        records = host_records(torch, kernels, args.layouts, meta, reps=5)
+        records = []
+        for requests in [int(r) for r in args.requests.split(",")]:
+            records += host_records(
+                torch, kernels, args.layouts, meta, requests, reps=5, compare_groups=args.compare_groups
+            )
     else:
         records = run(args)
     if args.json:

@@ -1,24 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Grouped tensor copies for align-mode Mamba state moves (the ``torch`` copy backend).
+"""Grouped copies of align-mode Mamba state moves (the ``torch`` path).
 
-Per request and KV-cache group the collector knows a destination block and, per
-state, a source block and a shift (vLLM's ``get_conv_copy_spec`` and
-``get_temporal_copy_spec``), shared by the group's layers. So a step is recorded
-as a few block ids per request and copied per family of layers: those one
-storage holds at one stride (every layer of a group where the model runner
-slices all layers from one allocation, else one), with other groups' layers at
-the same places. Requests whose blocks interact (``conflicting_pairs``: a chain,
-a shared destination) are copied per pair, in order. The others touch disjoint
-blocks, so only a conv state shifted inside its block overlaps itself. Small
-steps are copied by one multi-tensor copy of views over a family's layers (the
-self-overlapping sources staged first), larger ones by row indices into each
-family: ``index_select`` into a buffer, then ``index_copy_``, in chunks of at
-most ``GATHER_BYTES`` (allocated after vLLM has sized the KV cache). A chunk
-reads its rows before writing, and a self-overlapping pair only shifts towards
-lower rows, so later chunks read no row an earlier chunk wrote.
+Moves: a request moves the states of every layer of a KV-cache group
+with the same block ids, so ``record`` keeps one ``Move`` per request
+and group instead of a tensor pair per layer and state.
+Layout: the layers of a group that one storage holds at one stride
+(all of them when one allocation holds every layer) form a *family*,
+with other groups' layers at the same places. A family is seen as
+(layers, rows, row), so a move is the same rows in every layer. Other
+layouts: ``record`` says False and the caller copies pair by pair.
+Hazards: moves whose blocks interact go pair by pair, in order. The
+rest touch blocks no other move touches: only a conv state shifted
+inside its own block overlaps itself.
+Strategies: a small step is one ``_foreach_copy_`` of views spanning a
+family's layers (shifted sources staged first); a larger one gathers
+rows into a buffer (``index_select``) and scatters them (``index_copy_``)
+chunk by chunk: a chunk reads before it writes, and shifts go to lower
+rows, so no chunk reads what an earlier one wrote.
+Memory: staging, gather buffer and row indices stay under
+``GATHER_BYTES`` (the exception and its bound: docs/copy-groups.md).
 """
 
 import math
+from collections import namedtuple
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,202 +31,310 @@ from vllm.model_executor.layers.mamba import mamba_utils as vllm_mamba
 
 from vllm_ascend.worker.mamba_copy_checks import conflicting_pairs
 
-GATHER_BYTES = 64 << 20  # the most bytes of temporaries one copy holds
-DIRECT_PAIRS_PER_FAMILY = 4  # direct copies up to this x (families + 2: the row-index plan's fixed cost) pairs
+GATHER_BYTES = 64 << 20  # the most bytes of temporaries a step holds
+DIRECT_PAIRS_PER_FAMILY = 4  # direct up to this many a family, plus 8
+INDEX_BYTES = 16  # a row's source and destination index (int64)
 _DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+GROUP, BIAS, CONV_SRC, TEMPORAL_SRC, DST = range(5)  # a Move's fields
+
+
+Move = namedtuple("Move", "group bias conv_src temporal_src dst")  # block ids
+# A state, in bytes from its layer's first byte in the storage.
+State = namedtuple("State", "kind offset block_stride block_bytes row_bytes")
+# Families alike (layer_rows: from one layer to the next) share rows.
+Shape = namedtuple("Shape", "row_bytes states layers layer_rows groups")
+# A family's rows as (layers x rows, row elements), (layers, elements).
+Family = namedtuple("Family", "shape by_row by_layer")
+Place = namedtuple("Place", "family layer group")  # None: all of them
+Ranges = namedtuple("Ranges", "src dst length group")  # rows or elements
+# index: (2, layers x rows) source, destination; groups: {g: (first, end)}
+RowIndex = namedtuple("RowIndex", "index layer_rows groups")
+
+
+@dataclass
+class Plan:  # how one step's moves are copied (once a step)
+    moves: list  # the step's Moves, by identity
+    serial: list  # Moves that interact: pair by pair
+    pending: set  # layers the layerwise path has not copied
+    direct: dict | None = None  # Shape: (unstaged, staged) Ranges
+    indexed: dict | None = None  # Shape: RowIndex
+    buffer: torch.Tensor | None = None
+    chunks: dict = field(default_factory=dict)  # Shape: _chunks
+
+
+@dataclass
+class GroupedCopies:  # what the copy buffers keep
+    signature: list | None = None  # pointers, shapes, copy functions
+    families: list | None = None  # None: a layout not known here
+    places: dict = field(default_factory=dict)  # name: [Place]
+    num_blocks: int = 0
+    layers: list = field(default_factory=list)  # the step's
+    plan: Plan | None = None
 
 
 def _kind(func, state: torch.Tensor) -> str | None:
-    conv = None if getattr(vllm_mamba, "is_conv_state_dim_first", lambda: False)() else "conv"
-    kind = {vllm_mamba.get_conv_copy_spec: conv, vllm_mamba.get_temporal_copy_spec: "temporal"}.get(func)
-    return kind if state.dim() > 1 and state[0].is_contiguous() else None
+    if state.dim() < 2 or not state[0].is_contiguous():
+        return None
+    if func is vllm_mamba.get_temporal_copy_spec:
+        return "temporal"
+    # vLLM's DS conv layout (dim first) does not shift by rows
+    dim_first = getattr(vllm_mamba, "is_conv_state_dim_first", bool)()
+    return "conv" if func is vllm_mamba.get_conv_copy_spec and not dim_first else None
 
 
-def _storages(layers):
-    """(keys, families, places, blocks), or None for a layout the grouped copy does not know. A family is (key,
-    its layers as a (layers, rows, row) and a (layers, elements) tensor); a key (row bytes, geometry from a layer's
-    first byte, layers, groups) is shared by families laid out alike; ``places``: a layer's (family, index, group)s."""
-    found: dict[int, list] = {}  # storage: [storage, {(group, geometry): [(first byte, layer)]}, row bytes]
+def _layer_states(states, kinds) -> tuple[int, tuple] | None:
+    """(first byte, States) of states disjoint in one block stride."""
+    first = min(s.data_ptr() for s in states)
+    found = tuple(
+        State(k, s.data_ptr() - first, *(n * s.element_size() for n in (s.stride(0), s[0].numel(), s.stride(1))))
+        for s, k in zip(states, kinds)
+    )
+    spans = sorted((s.offset, s.offset + s.block_bytes) for s in found)
+    stride = found[0].block_stride
+    starts = [start for start, _ in spans[1:]] + [stride]
+    fits = all(end <= start for (_, end), start in zip(spans, starts))
+    return (first, found) if fits and all(s.block_stride == stride for s in found) else None
+
+
+def _storages(layers) -> dict | None:
+    """Per storage: [storage, row bytes (the gcd of every offset and
+    size in it), {(group, States): [(first byte, layer name)]}]."""
+    found: dict[int, list] = {}
     for name, group, states, funcs in layers:
-        by_storage: dict[int, list] = {}
-        for state, func in zip(states, funcs):
-            by_storage.setdefault(state.untyped_storage().data_ptr(), []).append((state, _kind(func, state)))
-        for ptr, members in by_storage.items():
-            first = min(s.data_ptr() for s, _ in members)
-            geometry = tuple(
-                (kind, s.data_ptr() - first, *(n * s.element_size() for n in (s.stride(0), s[0].numel(), s.stride(1))))
-                for s, kind in members
-            )
-            spans = sorted((offset, offset + nbytes) for _, offset, _, nbytes, _ in geometry) + [(geometry[0][2],)]
-            if len({g[2] for g in geometry}) > 1 or any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-                return None  # a layer's states in one storage are disjoint and fit in a block of one stride
-            entry = found.setdefault(ptr, [members[0][0].untyped_storage(), {}, 0])
-            entry[1].setdefault((group, geometry), []).append((first - ptr, name))
-            entry[2] = math.gcd(entry[2], first - ptr, *(x for g in geometry for x in g[1:]))
-    unit = max(u for u in _DTYPES if all(row % u == 0 for *_, row in found.values()))
-    runs: dict[tuple, dict] = {}
-    for ptr, (storage, members, row) in found.items():
+        parts: dict[int, list] = {}
+        for s, func in zip(states, funcs):
+            parts.setdefault(s.untyped_storage().data_ptr(), []).append((s, _kind(func, s)))
+        for ptr, part in parts.items():
+            if (placed := _layer_states(*zip(*part))) is None:
+                return None
+            first, layer_states = placed[0] - ptr, placed[1]
+            storage = found.setdefault(ptr, [part[0][0].untyped_storage(), 0, {}])
+            storage[2].setdefault((group, layer_states), []).append((first, name))
+            sizes = [n for s in layer_states for n in s[1:]]
+            storage[1] = math.gcd(storage[1], first, *sizes)
+    return found
+
+
+def _discover(copies: GroupedCopies, layers) -> None:
+    """Find the families and places of the layers (or leave None)."""
+    if (storages := _storages(layers)) is None:
+        return
+    # one element type for all: one gather buffer serves every family
+    unit = max(u for u in _DTYPES if all(row % u == 0 for _, row, _ in storages.values()))
+    runs: dict[tuple, dict] = {}  # alike at one stride: {group: names}
+    for storage, row, members in storages.values():
         size = storage.nbytes() // row * row
-        for (group, geometry), at in members.items():
+        for (group, states), at in members.items():
             firsts, names = zip(*sorted(at))
-            spacing = firsts[1] - firsts[0] if len(firsts) > 1 else size - firsts[0]
-            if np.diff(firsts).tolist() != [spacing] * (len(firsts) - 1) or firsts[0] + len(firsts) * spacing > size:
-                return None  # the layers of a group in one storage lie at one stride (vLLM's layer stride)
-            runs.setdefault((ptr, row, geometry, firsts[0], spacing, len(firsts)), {})[group] = names
-    keys, families, places = {}, [], {}
-    for (ptr, row, geometry, first, spacing, count), groups in runs.items():
-        flat = torch.empty(0, dtype=torch.uint8, device=found[ptr][0].device).set_(found[ptr][0])
-        stack = flat[first : first + count * spacing].view(_DTYPES[unit]).view(count, spacing // row, -1)
-        key = keys.setdefault((row, geometry, count, tuple(sorted(groups))), len(keys))
+            stride = firsts[1] - firsts[0] if len(firsts) > 1 else size - firsts[0]
+            if np.diff(firsts).tolist() != [stride] * (len(firsts) - 1) or firsts[0] + len(firsts) * stride > size:
+                return  # not at one layer stride
+            runs.setdefault((storage, row, states, firsts[0], stride, len(firsts)), {})[group] = names
+    copies.families, copies.places = [], {}
+    for (storage, row, states, first, stride, count), groups in runs.items():
+        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        stack = flat[first : first + count * stride].view(_DTYPES[unit]).view(count, stride // row, -1)
+        shape = Shape(row, states, count, stride // row if count > 1 else 0, tuple(sorted(groups)))
+        family = Family(shape, stack.view(-1, stack.shape[2]), stack.view(count, -1))
+        copies.families.append(family)
         for group, names in groups.items():
-            places.update({name: [*places.get(name, []), (len(families), i, group)] for i, name in enumerate(names)})
-        families.append((key, stack, stack.view(count, -1)))
-    return list(keys), families, places, min(s.shape[0] for *_, states, _ in layers for s in states)
+            for i, name in enumerate(names):
+                copies.places.setdefault(name, []).append(Place(family, i, group))
+    copies.num_blocks = min(s.shape[0] for *_, states, _ in layers for s in states)
 
 
-def record(copy_bufs, layers_fn, mamba_group_ids, src_block_idx, dest_block_idx, bias, req_state) -> bool:
-    """Record one request's moves; False when a copy function or state layout is not a known one.
-    ``layers_fn()``: (layer name, KV-cache group id, states, copy functions) of the Mamba layers, read once a step."""
-    if not getattr(copy_bufs, "_mamba_copy_requests", None):
-        layers = layers_fn()
-        key = [(s.data_ptr(), s.shape, f) for *_, states, funcs in layers for s, f in zip(states, funcs)]
-        if key != getattr(copy_bufs, "_mamba_copy_key", None):
-            known = all(_kind(f, s) for *_, states, funcs in layers for s, f in zip(states, funcs))
-            copy_bufs._mamba_copy_storages = _storages(layers) if known else None
-            copy_bufs._mamba_copy_key = key
-        copy_bufs._mamba_copy_layers, copy_bufs._mamba_copy_requests = layers, []
-    if copy_bufs._mamba_copy_storages is None or bias < 0:
+def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_idx, accept_token_bias, req_state):
+    """Record a request's moves; False: not a layout known here.
+    ``mamba_layers()``: (name, group, states, copy functions) a layer."""
+    if not hasattr(copy_bufs, "_mamba_copy_groups"):
+        copy_bufs._mamba_copy_groups = GroupedCopies()
+    copies = copy_bufs._mamba_copy_groups
+    if not getattr(copy_bufs, "_mamba_copy_requests", None):  # a new step
+        copies.layers, copy_bufs._mamba_copy_requests = mamba_layers(), []
+        pairs = [(s, f) for *_, states, funcs in copies.layers for s, f in zip(states, funcs)]
+        signature = [(s.data_ptr(), s.shape, f) for s, f in pairs]
+        if signature != copies.signature:  # new KV-cache tensors
+            copies.signature, copies.families = signature, None
+            if all(_kind(f, s) for s, f in pairs):
+                _discover(copies, copies.layers)
+    if copies.families is None or accept_token_bias < 0:
         return False
+    src, bias = src_block_idx, accept_token_bias
     for group in mamba_group_ids:
         ids = req_state.block_ids[group]
-        copy_bufs._mamba_copy_requests.append(
-            (group, ids, src_block_idx, bias, ids[src_block_idx], ids[src_block_idx + bias], ids[dest_block_idx])
-        )
+        move = Move(group, bias, ids[src], ids[src + bias], ids[dest_block_idx])
+        copy_bufs._mamba_copy_requests.append(move)
     metadata = getattr(copy_bufs, "_layer_copy_metadata", None)
-    for name, *_ in copy_bufs._mamba_copy_layers if metadata is not None else ():
-        metadata.setdefault(name, ([], [], []))  # the layers the layerwise path must visit
+    for name, *_ in copies.layers if metadata is not None else ():
+        metadata.setdefault(name, ([], [], []))  # layers to visit
     return True
 
 
+def _interacting(blocks: np.ndarray) -> np.ndarray:
+    """Moves whose blocks (conv source, temporal source, destination)
+    another move touches in a way that orders them."""
+    each = np.sort(blocks, axis=1)
+    each = each[np.diff(each, axis=1, prepend=-1) != 0]  # blocks once
+    if np.unique(each).size == each.size:  # no block shared: none
+        return np.zeros(len(blocks), dtype=bool)
+    owners = np.tile(np.arange(len(blocks)), 2)
+    src, dst = blocks[:, :2].T.ravel(), np.tile(blocks[:, 2], 2)
+    pairs = conflicting_pairs(src, dst, np.ones_like(owners), owners)
+    return pairs[: len(blocks)] | pairs[len(blocks) :]
+
+
+def _rows(table: np.ndarray, shape: Shape) -> Ranges:
+    """One layer's row ranges of the moves, group by group."""
+    mine = np.zeros(len(table), dtype=bool)
+    for group in shape.groups:
+        mine |= table[:, GROUP] == group
+    table, src, dst, nbytes = table[mine], [], [], []
+    for state in shape.states:
+        conv = state.kind == "conv"
+        shift = table[:, BIAS] * (state.row_bytes if conv else 0)
+        block = table[:, CONV_SRC if conv else TEMPORAL_SRC]
+        src.append(state.offset + block * state.block_stride + shift)
+        dst.append(state.offset + table[:, DST] * state.block_stride)
+        nbytes.append(np.maximum(state.block_bytes - shift, 0))
+    src, dst, count = (np.stack(x) // shape.row_bytes for x in (src, dst, nbytes))
+    group = np.broadcast_to(table[:, GROUP], src.shape)
+    order = np.argsort(group.ravel(), kind="stable")
+    return Ranges(*(x.ravel()[order] for x in (src, dst, count, group)))
+
+
+def _direct(rows: Ranges, shape: Shape, unit: int) -> tuple[Ranges, Ranges]:
+    """Element ranges to copy directly, and to stage first (overlaps)."""
+    src, dst, length = (x * (shape.row_bytes // unit) for x in rows[:3])
+    keep = src != dst  # a move onto itself changes nothing
+    staged = keep & (np.abs(src - dst) < length)
+    pick = [keep & ~staged, staged]  # lists: read once a family and call
+    return tuple(Ranges(*(x[m].tolist() for x in (src, dst, length, rows.group))) for m in pick)
+
+
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of arange(start, start + length) for each pair."""
-    within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts, lengths) + within
+    """The rows of each range, range after range."""
+    firsts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + np.arange(lengths.sum()) - firsts
 
 
-def _pairs(reqs: np.ndarray, key):
-    """First source row, first destination row, row count and group of each pair of a layer of a family with
-    this key, from the layer's first byte: group by group, then state, then request."""
-    row, geometry, _, groups = key
-    grp, bias, conv_src, temporal_src, dst = reqs[np.equal.outer(reqs[:, 0], groups).any(1)].T
-    kind, offset, stride, nbytes, row_bytes = (np.array(x)[:, None] for x in zip(*geometry))
-    shift = np.where(kind == "conv", bias * row_bytes, 0)
-    src = (offset + np.where(kind == "conv", conv_src, temporal_src) * stride + shift) // row
-    pairs = src, (offset + dst * stride) // row, np.maximum(nbytes - shift, 0) // row, np.broadcast_to(grp, src.shape)
-    order = np.argsort(pairs[3].ravel(), kind="stable")
-    return [x.ravel()[order] for x in pairs]
+def _row_index(rows: Ranges, shape: Shape, device) -> RowIndex:
+    """Source and destination rows of every layer of a family."""
+    one_layer = np.stack([_ranges(rows.src, rows.length), _ranges(rows.dst, rows.length)])
+    index = torch.from_numpy(one_layer).to(device, non_blocking=True)
+    # all layers: layer 0's rows moved by the layer stride, on the device
+    step = shape.layer_rows or 1
+    firsts = torch.arange(0, shape.layers * step, step, device=device)
+    index = (index[:, None] + firsts[:, None]).view(2, -1)
+    sizes = [rows.length[rows.group == g].sum() for g in shape.groups]
+    ends = np.cumsum([0, *sizes]).tolist()
+    groups = {g: (ends[i], ends[i + 1]) for i, g in enumerate(shape.groups)}
+    return RowIndex(index, ends[-1], groups)
 
 
-def _plan(requests, keys, families, places, blocks):
-    """How this step's requests are copied: (requests, interacting mask, direct views or row indices per key)."""
-    table = np.array([(r[0], r[3], *r[4:]) for r in requests], dtype=np.int64)
-    if table[:, 2:].min() < 0 or table[:, 2:].max() >= blocks:
-        raise IndexError(f"Mamba state copy outside the {blocks} KV-cache blocks: {np.unique(table[:, 2:]).tolist()}")
-    interacting = np.zeros(len(requests), dtype=bool)
-    ids = np.sort(table[:, 2:], axis=1)
-    ids = ids[np.diff(ids, axis=1, prepend=-1) != 0]  # the blocks of each request, once
-    if np.unique(ids).size < ids.size:  # some block touched by two requests: do they interact?
-        owners = np.tile(np.arange(len(requests)), 2)
-        pairs = conflicting_pairs(table[:, 2:4].T.ravel(), np.tile(table[:, 4], 2), np.ones_like(owners), owners)
-        interacting = pairs[: len(requests)] | pairs[len(requests) :]
-    pairs = [_pairs(table[~interacting], key) for key in keys]
-    unit = families[0][1].element_size()
-    if sum(len(pairs[key][0]) for key, *_ in families) <= DIRECT_PAIRS_PER_FAMILY * (len(families) + 2):
-        views, staged = [], []  # per key: parts (sources, destinations, staged ones) of (group, start, end)
-        for key, (src, dst, length, group) in zip(keys, pairs):
-            src, dst, length = (x * (key[0] // unit) for x in (src, dst, length))
-            keep = src != dst  # a pair onto itself changes nothing
-            stage = keep & (np.abs(src - dst) < length)
-            parts = [(group[m], x[m], (x + length)[m]) for m in (keep & ~stage, stage) for x in (src, dst)]
-            views.append([list(zip(*(y.tolist() for y in part))) for part in parts])
-            staged.append(int(length[stage].sum()) * unit * key[2])  # bytes staged in a family of this key
-        if sum(staged[key] for key, *_ in families) <= GATHER_BYTES:
-            return requests, interacting, "direct", list(zip(*views)), set(places)
-    device, size, indices = families[0][1].device, 0, {}
-    for k, stack in {k: stack for k, stack, _ in reversed(families)}.items():  # each key's row indices
-        (row, _, layers, groups), (src, dst, length, group) = keys[k], pairs[k]
-        ends = np.cumsum([0, *(length[group == g].sum() for g in groups)]).tolist()
-        index = torch.from_numpy(np.stack([_ranges(src, length), _ranges(dst, length)])).to(device, non_blocking=True)
-        first = torch.arange(0, layers * stack.shape[1], stack.shape[1], device=device)  # every layer's first row
-        n = ends[-1]  # a layer's rows: group by group (``spans``), layer after layer in the index
-        spans = {(i, g): (i * n + ends[j], i * n + ends[j + 1]) for i in range(layers) for j, g in enumerate(groups)}
-        indices[k] = ((index[:, None] + first[None, :, None]).view(2, -1), spans)
-        size = max(size, min(layers * n, max(1, GATHER_BYTES // row)) * row)
-    buffer = torch.empty(size // unit, dtype=families[0][1].dtype, device=device)
-    whole = {k: _chunks(*index, buffer, keys[k][0] // unit) for k, (index, _) in indices.items()}
-    return requests, interacting, "indexed", (indices, buffer, whole), set(places)
+def _plan(moves: list[Move], copies: GroupedCopies) -> Plan:
+    """Pick the step's strategy (see the module docstring)."""
+    table = np.array(moves, dtype=np.int64)
+    blocks, num_blocks = table[:, CONV_SRC:], copies.num_blocks
+    if blocks.min() < 0 or blocks.max() >= num_blocks:
+        used = np.unique(blocks).tolist()
+        raise IndexError(f"Mamba state copy outside the {num_blocks} KV-cache blocks: {used}")
+    bad = _interacting(blocks)
+    serial = [m for m, interacts in zip(moves, bad) if interacts]
+    plan, families = Plan(moves, serial, set(copies.places)), copies.families
+    grouped = table[~bad]
+    rows = {s: _rows(grouped, s) for s in dict.fromkeys(f.shape for f in families)}
+    unit, device = families[0].by_row.element_size(), families[0].by_row.device
+    if sum(len(rows[f.shape].src) for f in families) <= DIRECT_PAIRS_PER_FAMILY * (len(families) + 2):
+        plan.direct = {s: _direct(r, s, unit) for s, r in rows.items()}
+        staged = [sum(plan.direct[f.shape][1].length) * f.shape.layers for f in families]
+        if sum(staged) * unit <= GATHER_BYTES:
+            return plan
+        plan.direct = None  # staging over the cap: indexed after all
+    plan.indexed = {s: _row_index(r, s, device) for s, r in rows.items()}
+    # the indices count in the cap: the buffer takes what they leave
+    counted = [(s.layers + 1) * i.layer_rows for s, i in plan.indexed.items()]
+    budget = max(GATHER_BYTES - INDEX_BYTES * sum(counted), GATHER_BYTES // 2)
+    sizes = [min(s.layers * i.layer_rows, max(1, budget // s.row_bytes)) * s.row_bytes for s, i in plan.indexed.items()]
+    plan.buffer = torch.empty(max(sizes) // unit, dtype=families[0].by_row.dtype, device=device)
+    return plan
 
 
-def _chunks(src, dst, buffer, row: int):
-    """(source rows, destination rows, buffer) of each chunk of at most GATHER_BYTES of ``row``-element rows."""
-    step = max(1, GATHER_BYTES // (row * buffer.element_size()))
-    chunks = list(zip(src.split(step), dst.split(step))) if len(src) else []
-    out = {n: buffer[: n * row].view(n, row) for n in {len(s) for s, _ in chunks}}
-    return [(s, d, out[len(s)]) for s, d in chunks]
+def _copy_direct(plan: Plan, targets: list[Place]) -> None:
+    """One multi-tensor copy of views over the targets' layers."""
+    views = [([], []), ([], [])]  # (sources, destinations): unstaged, staged
+    for family, layer, group in targets:
+        data = family.by_layer if layer is None else family.by_layer[layer : layer + 1]
+        for (srcs, dsts), ranges in zip(views, plan.direct[family.shape]):
+            for src, dst, n, g in zip(*ranges):
+                if group in (None, g):
+                    srcs.append(data[:, src : src + n])
+                    dsts.append(data[:, dst : dst + n])
+    (srcs, dsts), (staged_srcs, staged_dsts) = views
+    if staged_srcs:  # read shifted sources whole before the copy writes
+        sizes = [s.numel() for s in staged_srcs]
+        first = staged_srcs[0]
+        scratch = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+        scratch = [t.view(s.shape) for t, s in zip(scratch.split(sizes), staged_srcs)]
+        torch._foreach_copy_(scratch, staged_srcs)
+        srcs, dsts = srcs + scratch, dsts + staged_dsts
+    if srcs:
+        torch._foreach_copy_(dsts, srcs)
 
 
-def _copy_pair_by_pair(copy_bufs, requests, layer_name=None) -> None:
-    """``dst.copy_(src.clone())`` per pair, in pair order: request, layer, state."""
-    for group, ids, cur, bias, *_, dst_block in requests:
-        for name, grp, states, funcs in copy_bufs._mamba_copy_layers:
-            if grp == group and layer_name in (None, name):
-                for state, func in zip(states, funcs):
-                    spec = func(state, ids, cur, bias + 1)
-                    flat = torch.empty(0, dtype=state.dtype, device=state.device).set_(state.untyped_storage())
-                    src = (spec.start_addr - flat.data_ptr()) // state.element_size()
-                    dst = state.storage_offset() + dst_block * state.stride(0)
-                    flat[dst : dst + spec.num_elements].copy_(flat[src : src + spec.num_elements].clone())
+def _chunks(buffer: torch.Tensor, index: torch.Tensor, width: int) -> list:
+    """(source rows, destination rows, buffer view) of each chunk."""
+    step = max(1, buffer.numel() // width)
+    full = buffer[: step * width].view(step, width)
+    pairs = zip(index[0].split(step), index[1].split(step)) if index.numel() else ()
+    return [(src, dst, full if len(src) == step else full[: len(src)]) for src, dst in pairs]
+
+
+def _copy_indexed(plan: Plan, targets: list[Place]) -> None:
+    """Gather the targets' rows into the buffer and scatter them."""
+    for family, layer, group in targets:
+        rows, data = plan.indexed[family.shape], family.by_row
+        if layer is None:  # the whole step: chunks shared by a shape
+            chunks = plan.chunks.get(family.shape)
+            if chunks is None:
+                chunks = _chunks(plan.buffer, rows.index, data.shape[1])
+                plan.chunks[family.shape] = chunks
+        else:  # one layer's rows of one group
+            first, end = (layer * rows.layer_rows + i for i in rows.groups[group])
+            chunks = _chunks(plan.buffer, rows.index[:, first:end], data.shape[1])
+        for src, dst, out in chunks:
+            torch.index_select(data, 0, src, out=out)
+            data.index_copy_(0, dst, out)
+
+
+def _copy_pair_by_pair(layers, moves: list, layer_name) -> None:
+    """``dst.copy_(src.clone())`` in pair order: move, layer, state."""
+    for move in moves:
+        for name, group, states, funcs in layers:
+            if group != move.group or layer_name not in (None, name):
+                continue
+            for state, func in zip(states, funcs):  # as vLLM's specs read
+                if _kind(func, state) == "conv":
+                    src = state[move.conv_src, move.bias :].flatten()
+                else:
+                    src = state[move.temporal_src].flatten()
+                state[move.dst].view(-1)[: len(src)].copy_(src.clone())
 
 
 def copy(copy_bufs, layer_name: str | None = None) -> bool:
-    """Run the recorded moves of every layer (and forget them), or of one layer; False if none."""
-    requests = getattr(copy_bufs, "_mamba_copy_requests", None)
-    if not requests:
+    """Copy the step (and forget it) or one layer; False: no moves."""
+    moves = getattr(copy_bufs, "_mamba_copy_requests", None)
+    if not moves:
         return False
-    plan = getattr(copy_bufs, "_mamba_copy_plan", None)
-    if plan is None or plan[0] is not requests:  # once a step, also on the layerwise path
-        plan = copy_bufs._mamba_copy_plan = _plan(requests, *copy_bufs._mamba_copy_storages)
-    _, interacting, how, work, pending = plan
-    _, families, places, _ = copy_bufs._mamba_copy_storages
-    # (family, layer index in it, group): all of every family, or one layer's places
-    targets = [(f, None, None) for f in range(len(families))] if layer_name is None else places.get(layer_name, [])
-    if how == "direct":  # views of the whole step (or layer), part by part
-        views = [(key, rows if only is None else rows[only : only + 1], grp) for f, only, grp in targets
-                 for key, _, rows in [families[f]]]  # fmt: skip
-        srcs, dsts, staged_srcs, staged_dsts = (  # (layers, elements) views, a family's layers at once
-            [rows[:, a:b] for key, rows, grp in views for g, a, b in part[key] if grp in (None, g)] for part in work
-        )
-        if staged_srcs:  # a conv state shifted inside its block: read it whole before the copy writes it
-            sizes = [s.numel() for s in staged_srcs]
-            staged = torch.empty(sum(sizes), dtype=staged_srcs[0].dtype, device=staged_srcs[0].device).split(sizes)
-            staged = [t.view(s.shape) for t, s in zip(staged, staged_srcs)]
-            torch._foreach_copy_(staged, staged_srcs)
-            srcs, dsts = srcs + list(staged), dsts + staged_dsts
-        if srcs:
-            torch._foreach_copy_(dsts, srcs)
-    else:  # row indices into a family's layers (or one layer), chunk by chunk
-        indices, buffer, whole = work
-        for f, only, grp in targets:
-            key, stack, _ = families[f]
-            ((src, dst), spans), rows = indices[key], stack.view(-1, stack.shape[2])
-            a, b = spans[only, grp] if only is not None else (0, 0)
-            for s, d, out in whole[key] if only is None else _chunks(src[a:b], dst[a:b], buffer, rows.shape[1]):
-                torch.index_select(rows, 0, s, out=out)
-                rows.index_copy_(0, d, out)
-    _copy_pair_by_pair(copy_bufs, [r for r, bad in zip(requests, interacting) if bad], layer_name)
-    pending.discard(layer_name)
-    if layer_name is None or not pending:  # the step is done: its buffers go
-        copy_bufs._mamba_copy_plan = None
+    copies = copy_bufs._mamba_copy_groups
+    if copies.plan is None or copies.plan.moves is not moves:
+        copies.plan = _plan(moves, copies)  # once a step
+    plan, every = copies.plan, [Place(f, None, None) for f in copies.families]
+    targets = every if layer_name is None else copies.places.get(layer_name, [])
+    (_copy_indexed if plan.direct is None else _copy_direct)(plan, targets)
+    _copy_pair_by_pair(copies.layers, plan.serial, layer_name)
+    plan.pending.discard(layer_name)
+    if layer_name is None or not plan.pending:
+        copies.plan = None  # the step is done: its temporaries go
     if layer_name is None:
         copy_bufs._mamba_copy_requests = []
     return True

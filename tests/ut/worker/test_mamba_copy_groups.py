@@ -27,6 +27,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
 
 from vllm_ascend.worker import mamba_copy_groups
@@ -88,8 +90,8 @@ def strategy(name):
 class Model:
     """Mamba layers over their own storages, with the layer tuples the collector passes to ``record``."""
 
-    def __init__(self, layout, num_layers=3, num_blocks=10, groups=1, seed=0):
-        funcs, raw, conv, temporal, dtypes, tail = LAYOUTS[layout]
+    def __init__(self, layout, num_layers=3, num_blocks=10, groups=1, seed=0, pad=6):
+        funcs, raw, conv, temporal, dtypes, tail = LAYOUTS.get(layout, layout)
         shapes = [conv if f is CONV else temporal for f in funcs]
         block_bytes = [int(np.prod(s)) * d.itemsize for s, d in zip(shapes, dtypes)]
         gen = torch.Generator().manual_seed(seed)
@@ -100,7 +102,7 @@ class Model:
             self.storages.append(buf)
             return buf
 
-        page = sum(block_bytes) + 6
+        page = sum(block_bytes) + pad
         page += -page % max(d.itemsize for d in dtypes)
         if raw == "backing":  # vllm-ascend 0.30: layer j of every group in region j of one allocation
             backing = random_bytes(-(-num_layers // groups) * num_blocks * page + tail)
@@ -225,31 +227,59 @@ def test_shifts_shared_blocks_chains_and_duplicate_destinations(layout, layerwis
     assert_equal(model, want)
 
 
-@pytest.mark.parametrize("layout", ["raw", "backing"])
-@pytest.mark.parametrize("direct_pairs_per_family", [0, 10**9])
-def test_temporaries_stay_under_the_cap_whatever_the_batch(monkeypatch, direct_pairs_per_family, layout):
-    """Staging and gather buffers are allocated in chunks of at most GATHER_BYTES (without the cap they are
-    larger), and none outlives its step."""
-    empty, sizes, alive = torch.empty, [], []
+class Temporaries(TorchDispatchMode):
+    """The device memory that the ops allocate: the most alive at once (bytes), and what is alive now."""
 
-    def spy(*shape, **kw):
-        out = empty(*shape, **kw)
-        sizes.append(out.nbytes)
-        alive.append(weakref.ref(out)) if out.nbytes else None
+    def __init__(self, device, kept):
+        super().__init__()
+        self.device, self.kept, self.alive, self.peak = device, kept, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.alive = {ptr: (n, refs) for ptr, (n, refs) in self.alive.items() if any(r() is not None for r in refs)}
+        for t in tree_leaves(out):
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            # anything but the KV cache is a temporary
+            if storage is not None and t.device.type == self.device and storage.data_ptr() not in self.kept:
+                self.alive.setdefault(storage.data_ptr(), (storage.nbytes(), []))[1].append(weakref.ref(t))
+        self.peak = max(self.peak, self.bytes())
         return out
 
+    def bytes(self):
+        return sum(n for n, refs in self.alive.values() if any(r() is not None for r in refs))
+
+
+# Conv states of 128-byte rows (no padding in a page), so that a step's row indices (16 bytes a row) are a
+# small part of its temporaries, as in real models.
+WIDE = {
+    "raw": ((CONV,), "layer", (4, 64), None, (BF16,), 0),
+    "backing": ((CONV,), "backing", (4, 64), None, (BF16,), 5),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(WIDE))
+@pytest.mark.parametrize("direct_pairs_per_family", [0, 10**9])
+def test_temporaries_stay_under_the_cap_whatever_the_batch(monkeypatch, direct_pairs_per_family, layout):
+    """Every temporary of a step (staging, gather buffer, row indices) together stays under GATHER_BYTES
+    (without the cap they are larger), and none outlives its step."""
     monkeypatch.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", direct_pairs_per_family)
-    monkeypatch.setattr(torch, "empty", spy)
-    # 8 requests, each a same-block conv shift (staged on the direct path) and a temporal move
+    # 8 requests, each a conv shift inside its block (staged on the direct path), then 8 into new blocks
     requests = [([[b, b, b + 8]], 0, 0, 1) for b in range(8)] + [([[b, b + 8, b + 8]], 0, 1, 1) for b in range(8)]
-    for cap in (10**9, 96):
-        monkeypatch.setattr(mamba_copy_groups, "GATHER_BYTES", cap)
-        model = Model(layout, num_blocks=16)
-        sizes.clear()
+    # Below the 3 KiB a layer (raw) or 9 KiB a family of 3 layers (backing) that a step moves, at least twice
+    # the row indices (16 bytes of 128-byte rows, and one more layer's while they are built).
+    cap = {"raw": 2048, "backing": 4096}[layout]
+    for gather_bytes in (10**9, cap):
+        monkeypatch.setattr(mamba_copy_groups, "GATHER_BYTES", gather_bytes)
+        model = Model(WIDE[layout], num_blocks=16, pad=0)
+        kept = {s.untyped_storage().data_ptr() for s in model.storages}
+        peaks = []
         for step, layerwise in zip((requests[:8], requests[8:]), (False, True)):
-            assert_equal(model, model.run(step, layerwise))
-            assert not [ref for ref in alive if ref() is not None], "a temporary outlived its step"
-        assert max(sizes) <= 96 if cap == 96 else max(sizes) > 96
+            with Temporaries(torch.device(DEVICE).type, kept) as temporaries:
+                want = model.run(step, layerwise)
+                assert temporaries.bytes() == 0, "a temporary outlived its step"
+            assert_equal(model, want)
+            peaks.append(temporaries.peak)
+        assert max(peaks) <= cap if gather_bytes == cap else max(peaks) > cap, peaks
 
 
 def test_unknown_copy_functions_are_left_to_the_per_pair_collector():

@@ -58,6 +58,7 @@ class Run:
     control: bool = False  # must go wrong
     json: Path | None = None
     junit: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)  # beside the phase's environment
 
 
 @dataclass
@@ -136,7 +137,7 @@ def execute(ctx: Context, phase: str, run: Run, deadline: float) -> RunResult:
         f.write("$ " + " ".join(run.argv) + "\n")
         f.flush()
         proc = subprocess.Popen(
-            run.argv, cwd=ctx.root, env=ctx.env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            run.argv, cwd=ctx.root, env={**ctx.env, **run.env}, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C reaches us alone: we end the run and keep the rest
         )  # fmt: skip
         while proc.poll() is None:
@@ -263,9 +264,10 @@ def _grouped_runs(ctx: Context) -> list[Run]:
     xml = {k: ctx.out / "logs" / f"grouped-copy-{k}.xml" for k in ("fork", "no-fallback")}
     return [
         Run("fork", pytest_argv(ctx, ctx.plan.fork_tree, files, xml["fork"], specs), junit=xml["fork"]),
+        # benchmarks/mutations.py: the grouped copy with its interaction check (the hazard fallback) removed
         Run("no-fallback", pytest_argv(ctx, ctx.plan.fork_tree, files, xml["no-fallback"],
-                                       [*specs, "-p", "benchmarks.no_hazard_fallback"]),
-            control=True, junit=xml["no-fallback"]),
+                                       [*specs, "-p", "benchmarks.mutations"]),
+            control=True, junit=xml["no-fallback"], env={"MAMBA_COPY_MUTATION": "no_interaction_check"}),
     ]  # fmt: skip
 
 

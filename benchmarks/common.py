@@ -36,7 +36,8 @@ def setup_kernels(trees=None, base_tree=None):
     """Import the kernel modules from the tree(s); returns a namespace dict.
 
     `base_tree` (optional) is an unpatched vllm-ascend tree whose fused postprocess
-    kernel is the unguarded control.
+    kernel and batch_memcpy_kernel are the unguarded controls (the fork's batch_memcpy_kernel
+    carries the left-overlap guard).
     """
     roots = loader.split_roots(trees) if trees else [p for p in DEFAULT_TREES if p.exists()]
     info = loader.setup(roots)
@@ -58,10 +59,14 @@ def setup_kernels(trees=None, base_tree=None):
         "memmove_module": batch_memmove,
         "postprocess_guarded": postprocess.postprocess_mamba_fused_kernel,
         "postprocess_unguarded": None,
+        "batch_memcpy_unguarded": None,
     }
     if base_tree:
-        path = Path(base_tree) / "vllm_ascend" / "ops" / "triton" / "mamba" / "postprocess.py"
+        triton_dir = Path(base_tree) / "vllm_ascend" / "ops" / "triton"
+        path = triton_dir / "mamba" / "postprocess.py"
         kernels["postprocess_unguarded"] = loader.load_file(path, "_base_postprocess").postprocess_mamba_fused_kernel
+        path = triton_dir / "batch_memcpy.py"
+        kernels["batch_memcpy_unguarded"] = loader.load_file(path, "_base_batch_memcpy").batch_memcpy_kernel
     return kernels
 
 

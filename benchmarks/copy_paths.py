@@ -5,7 +5,8 @@
     python benchmarks/copy_paths.py --plot-only benchmarks/results/h200_run4/copy_paths.json
 
 Backends (one batch = every copy of one align-mode step):
-  unguarded    vllm-ascend's batch_memcpy_kernel, BLOCK 8192, one program per pair (as shipped)
+  unguarded    the tree's batch_memcpy_kernel, BLOCK 8192, one program per pair (the `triton` value;
+               on the fork it carries the left-overlap guard, so the name is the base's)
   left_guard   upstream-vLLM-style: the same kernel plus a barrier when dst < src overlaps, BLOCK 1024
   memmove      the kernel batch_memmove launches (batch_memcpy_kernel of the tree, one program a pair),
                one launch, with this benchmark's GPU block (benchmarks/common.py: MEMMOVE_BLOCK)

@@ -1,6 +1,6 @@
 """Stress the copy kernels for races on a GPU/NPU (runs as a small smoke under the CPU interpreter).
 
-    python benchmarks/stress_memmove.py --json benchmarks/results/stress_h200.json
+    python benchmarks/stress_memmove.py --tree build/fork --base-tree build/base-0.30.0rc2 --json out.json
 
 1. Random pairs: batches of mixed left / exact / disjoint pairs (sizes 1 B .. 64 KiB, every
    alignment), >= 1e6 pairs in total, through batch_memmove's kernel; every batch checked against
@@ -8,7 +8,8 @@
    outside the destinations must be unchanged). No right overlaps: no Mamba move has one, and the
    memmove backend refuses them on the host (validate_copy_batch) before anything is launched.
 2. Long copies, small left shifts: 2048 rows of 32 KiB shifted left by 1..64 bytes, 4/8/16 warps,
-   BLOCK 1024 and 8192 for the unguarded batch_memcpy_kernel (the control, expected to corrupt),
+   BLOCK 1024 and 8192 for the unguarded batch_memcpy_kernel of --base-tree (the control, expected
+   to corrupt; left out without --base-tree),
    BLOCK 1024 for an upstream-style left guard and BLOCK 1024 / MEMMOVE_BLOCK for memmove (the
    kernel batch_memmove launches: batch_memcpy_kernel of the tree); corrupted rows counted per kernel.
 """
@@ -145,7 +146,7 @@ def run_rows(k, torch, device, kernel_name, direction, rows, row_bytes, shift, b
         if kernel_name == "memmove":
             k["batch_memmove"](src, dst, sizes, block_size=block, num_warps=num_warps)
         elif kernel_name == "unguarded":
-            k["batch_memcpy_kernel"][(rows,)](src, dst, sizes, BLOCK_SIZE=block, num_warps=num_warps)
+            k["batch_memcpy_unguarded"][(rows,)](src, dst, sizes, BLOCK_SIZE=block, num_warps=num_warps)
         elif kernel_name == "left_guard":
             k["left_guard"][(rows,)](src, dst, sizes, BLOCK_SIZE=block, num_warps=num_warps)
         common.synchronize(device)
@@ -178,6 +179,7 @@ def run_rows(k, torch, device, kernel_name, direction, rows, row_bytes, shift, b
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree")
+    parser.add_argument("--base-tree", help="an unpatched tree: its batch_memcpy_kernel is the unguarded control")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--pairs", type=int, default=1_000_000)
     parser.add_argument("--batch-pairs", type=int, default=4096)
@@ -185,7 +187,7 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    k = common.setup_kernels(args.tree)
+    k = common.setup_kernels(args.tree, base_tree=args.base_tree)
     import torch
 
     k["left_guard"] = left_guard_kernel_factory()
@@ -211,9 +213,9 @@ def main(argv=None):
         log(run_random(k, torch, device, max(1, args.pairs // 10), args.batch_pairs, 16, 99, None, product=True))
         for warps in (4, 8, 16):
             for shift in (1, 2, 4, 8, 16, 32, 64):
+                controls = (("unguarded", 1024), ("unguarded", 8192)) if k["batch_memcpy_unguarded"] else ()
                 for name, block in (
-                    ("unguarded", 1024),
-                    ("unguarded", 8192),
+                    *controls,
                     ("memmove", 1024),
                     ("memmove", default_block),
                     ("left_guard", 1024),

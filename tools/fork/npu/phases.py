@@ -335,8 +335,8 @@ def _judge_by_total(key: str, unit: str):
 def _memmove_runs(ctx: Context) -> list[Run]:
     args = ["--smoke"] if ctx.smoke else ["--pairs", "100000", "--trials", "2"]
     script = "benchmarks/stress_memmove.py"
-    return [_script_run(ctx, "stress-memmove", script, "fork", ["--tree", ctx.plan.fork_tree, "--device", ctx.device,
-                                                               *args])]  # fmt: skip
+    trees = ["--tree", ctx.plan.fork_tree, "--base-tree", ctx.tree("base")]  # the base's kernel: the control
+    return [_script_run(ctx, "stress-memmove", script, "fork", [*trees, "--device", ctx.device, *args])]
 
 
 def memmove_stress_numbers(records) -> dict:

@@ -2,7 +2,8 @@
 
 The upstream-bound op tests are written as upstream writes them: device "npu", skipped without
 `torch.npu`. On the lent GPU there is no torch_npu, so `install()` gives torch an `npu` module
-(`is_available`, `synchronize`, `device_count`, `current_device` answered by CUDA) and, for the
+(`is_available`, `synchronize`, `device_count`, `current_device`, seeds, `NPUGraph` / `graph`
+and `torch.accelerator.synchronize` answered by CUDA) and, for the
 whole process, a torch function mode that turns every `npu` device a torch function is given
 (`device=` of factory functions, `Tensor.to("npu")`) into `cuda`: the kernel harness's mapping
 (`tools/kernel_harness/npu_cpu.device_mode`), which `--npu-on-cpu` points at the CPU.
@@ -32,7 +33,14 @@ def install() -> None:
     npu.device_count = torch.cuda.device_count
     npu.current_device = torch.cuda.current_device
     npu.get_device_name = torch.cuda.get_device_name
+    npu.manual_seed = torch.cuda.manual_seed
+    npu.manual_seed_all = torch.cuda.manual_seed_all
+    npu.empty_cache = torch.cuda.empty_cache
+    npu.NPUGraph = torch.cuda.CUDAGraph  # record and replay: CUDA graphs
+    npu.graph = torch.cuda.graph
     torch._register_device_module("npu", npu)
+    # torch.accelerator would ask the renamed PrivateUse1 backend, which has no device here
+    torch.accelerator.synchronize = lambda *args, **kwargs: torch.cuda.synchronize()
 
     device_mode("cuda").__enter__()  # for the whole process, as the CPU mapping does
 

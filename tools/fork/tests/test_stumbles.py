@@ -1,4 +1,4 @@
-"""What a newcomer stumbled on (issue 20), each fixed and kept fixed: one test per stumble."""
+"""What a newcomer stumbled on , each fixed and kept fixed: one test per stumble."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import shlex
 from pathlib import Path
 
 from tools.fork.core import git, journal, overlay, series, txn
@@ -217,10 +217,17 @@ def finish_cut_short(cfg: ForkConfig, tree: Path) -> list[str]:
     if fold.is_file() and tree.is_dir():
         moved = json.loads(fold.read_text())
         if git.rev(tree, "HEAD") == moved["new"]:
+            for path in moved["paths"]:
+                now = (tree / path).read_bytes() if (tree / path).is_file() else None
+                if now not in (overlay.blob(tree, moved["orig"], path), overlay.blob(tree, "HEAD", path)):
+                    raise LocalEdits(
+                        f"{tree / path} was changed after an export was cut short while folding it; keep a copy, "
+                        f"then `git -C {shlex.quote(str(tree))} checkout HEAD -- {shlex.quote(path)}` and export"
+                    )
             _check_out(tree, moved["paths"])
             notes.append(f"finished folding overlay edits into {tree} (an export was cut short)")
     if journal.staged(work):
-        journal.check_untouched(cfg.root, work, f"rm -rf {work}")
+        journal.check_untouched(cfg.root, work, f"rm -rf {shlex.quote(str(work))}")
         with txn.signals_deferred():
             journal.apply(cfg.root, work)
         count = len(journal.entries(work))
@@ -308,18 +315,19 @@ def _require_applies_without_fork_only(cfg: ForkConfig, patches: list[series.Pat
         return  # the same series `check` applies
     from tools.fork.core import materialize, upstream
 
-    cfg.build_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cfg.build_dir, prefix="export-upstream-") as tmp:
-        tree = Path(tmp) / "tree"
+    tree = cfg.build_dir / "export-upstream"  # a fixed name: the next run removes what a kill left
+    txn.discard(tree)
+    try:
         materialize.create_base(upstream.obtain(cfg).source, tree)
-        try:
-            materialize.apply_series(tree, patches)
-        except materialize.ApplyFailed as exc:
-            raise BadInput(
-                f"without the fork-only patches ({', '.join(sorted(cfg.fork_only))}) the series does not apply to "
-                f"vllm-ascend {cfg.pin.version}: {exc}\nMove fork-only patches after the upstreamable ones they "
-                "touch, or take what the patch needs out of the fork-only patch."
-            ) from None
+        materialize.apply_series(tree, patches)
+    except materialize.ApplyFailed as exc:
+        raise BadInput(
+            f"without the fork-only patches ({', '.join(sorted(cfg.fork_only))}) the series does not apply to "
+            f"vllm-ascend {cfg.pin.version}: {exc}\nMove fork-only patches after the upstreamable ones they "
+            "touch, or take what the patch needs out of the fork-only patch."
+        ) from None
+    finally:
+        txn.discard(tree)
 
 
 def run(args, cfg) -> int:

@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         if verb not in REPO_WRITERS:
             return module.run(args, cfg)
         with lock.exclusive(cfg.build_dir / REPO_LOCK, f"the repository {cfg.root}"):
+            if verb != "export":
+                from tools.fork.queue.cmd_export import require_not_cut_short
+
+                require_not_cut_short(cfg)
             return module.run(args, cfg)
     except ForkError as exc:
         print(f"fork {verb}: error: {exc}", file=sys.stderr)

@@ -6,7 +6,8 @@ Edit the fork in either place, then export:
   - files the fork adds: edit the overlay copy in this repository (vllm_ascend/..., tests/...)
     or edit them in the tree and commit.
 Overlay edits are folded into the commit that creates the file before exporting. The output is
-deterministic: exporting an unchanged series reproduces `patches/` byte for byte.
+deterministic: exporting an unchanged series reproduces `patches/` byte for byte. A kill leaves
+each file as before or as after; the next export finishes the write first (docs/rebase.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from tools.fork.core import git, journal, overlay, series, txn
 from tools.fork.core.config import ForkConfig
-from tools.fork.core.errors import BadInput, LocalEdits
+from tools.fork.core.errors import BadInput, InProgress, LocalEdits
 from tools.fork.core.forktoml import rename_toml_entries
 from tools.fork.core.materialize import PARTIAL_SUFFIX, State, require_tree
 from tools.fork.core.series import base_tag, convention_problems, render
@@ -27,7 +28,6 @@ HELP = __doc__
 
 WORK = "export"  # build/export/: a running export's journaled write (core/journal.py) and fold.json
 FOLD = "fold.json"  # the overlay fold's old and new HEAD of the tree, while the fold moves it
-RESUME = "python -m tools.fork export"
 
 
 def add_arguments(p) -> None:
@@ -71,7 +71,13 @@ def fold_overlay_edits(cfg: ForkConfig, tree: Path, version: str) -> list[str]:
             continue
         if tree_bytes == last:
             # git-absorb semantics: the last patch that touched the file takes the edit
-            fixups.setdefault(max(creators + own.modified.get(path, [])), []).append(path)
+            index = max(creators + own.modified.get(path, []))
+            if any(later > index for later in own.deleted.get(path, [])):
+                raise BadInput(
+                    f"{path} is in the overlay but a patch deletes it in {tree}; delete it from the overlay, "
+                    "or drop the deletion from that patch, then export"
+                )
+            fixups.setdefault(index, []).append(path)
         elif repo_bytes != last:
             raise LocalEdits(
                 f"{path} was edited both in the overlay and in {tree}; keep one version "
@@ -203,6 +209,16 @@ def stage_variant_renames(cfg: ForkConfig, changes: Changes, rendered: list[tupl
             changes[_rel(cfg, d / name)] = data
         for name in files.keys() - renamed.keys():
             changes[_rel(cfg, d / name)] = None
+
+
+def require_not_cut_short(cfg: ForkConfig) -> None:
+    """`apply` and `rebase` read patches/ and build/fork: not while a killed export left them half done."""
+    work = cfg.build_dir / WORK
+    if journal.staged(work) or (work / FOLD).is_file():
+        raise InProgress(
+            "an export was cut short: patches/, fork.toml, the overlay or build/fork are partly written; "
+            "`python -m tools.fork export` finishes it"
+        )
 
 
 def finish_cut_short(cfg: ForkConfig, tree: Path) -> list[str]:

@@ -89,6 +89,17 @@ def check_untouched(root: Path, journal: Path, drop: str) -> None:
         raise LocalEdits(f"{rel} was changed after a write to it was cut short; keep a copy, then `{drop}`")
 
 
+def left(root: Path, journal: Path) -> list[str]:
+    """The files `apply` has still to write or delete."""
+    out = []
+    for rel, entry in entries(journal).items():
+        dest = root / rel
+        now = _sha(dest.read_bytes()) if dest.is_file() else None
+        if now != entry.get("new_sha256"):
+            out.append(rel)
+    return out
+
+
 def apply(root: Path, journal: Path) -> None:
     """Move the staged files into place and delete what the write removes; run again after a kill."""
     for rel, entry in entries(journal).items():

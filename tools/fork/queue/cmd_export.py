@@ -12,6 +12,7 @@ each file as before or as after; the next export finishes the write first (docs/
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -244,10 +245,14 @@ def finish_cut_short(cfg: ForkConfig, tree: Path) -> list[str]:
             notes.append(f"finished folding overlay edits into {tree} (an export was cut short)")
     if journal.staged(work):
         journal.check_untouched(cfg.root, work, f"rm -rf {shlex.quote(str(work))}")
+        count, left = len(journal.entries(work)), len(journal.left(cfg.root, work))
         with txn.signals_deferred():
             journal.apply(cfg.root, work)
-        count = len(journal.entries(work))
-        notes.append(f"finished the write of an export that was cut short ({count} file(s))")
+        notes.append(
+            f"finished the write of an export that was cut short: {left} of its {count} file(s) were left"
+            if left
+            else f"an export that was cut short had written all its {count} file(s); tidied up build/export"
+        )
     txn.discard(work)
     return notes
 
@@ -282,16 +287,16 @@ def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[tuple[str, bool
             txn.discard(work)  # nothing protected was changed
         raise
     changed = [(rel, entry["new"]) for rel, entry in journal.entries(work).items()]
-    with txn.signals_deferred():
-        journal.apply(cfg.root, work)
-    patches = [series.Patch(name, cfg.patches_dir / name) for name, _ in rendered]
-    State(
+    state = State(
         version,
         git.out(["rev-parse", base_tag(version)], tree),
-        [(p.name, p.sha256) for p in patches],
+        [(name, hashlib.sha256(data).hexdigest()) for name, data in rendered],  # as series.Patch.sha256
         git.out(["rev-parse", "HEAD"], tree),
-    ).save(tree)
-    txn.discard(work)
+    )
+    with txn.signals_deferred():  # Ctrl-C lands after the export is complete, not in its middle
+        journal.apply(cfg.root, work)
+        state.save(tree)
+        txn.discard(work)
     return folded, sorted(changed), notes
 
 

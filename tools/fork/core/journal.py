@@ -17,9 +17,11 @@ import os
 import shutil
 from pathlib import Path
 
-from tools.fork.core.errors import LocalEdits
+from tools.fork.core.errors import InProgress, LocalEdits
 
 LIST = "journal.json"
+EXPORT_WORK = "export"  # build/export/: a running export's journal and EXPORT_FOLD (queue/cmd_export.py)
+EXPORT_FOLD = "fold.json"  # the old and new HEAD of build/fork while export's overlay fold moves it
 
 
 def _sha(data: bytes) -> str:
@@ -136,3 +138,13 @@ def _prune(d: Path, stop: Path) -> None:
     while d != stop and stop in d.parents and d.is_dir() and not any(d.iterdir()):
         d.rmdir()
         d = d.parent
+
+
+def require_no_export_cut_short(build_dir: Path) -> None:
+    """`apply` and `rebase` read patches/ and build/fork: not while a killed export left them half done."""
+    work = build_dir / EXPORT_WORK
+    if staged(work) or (work / EXPORT_FOLD).is_file():
+        raise InProgress(
+            "an export was cut short: patches/, fork.toml, the overlay or build/fork are partly written; "
+            "`python3 -m tools.fork export` finishes it"
+        )

@@ -20,15 +20,14 @@ from pathlib import Path
 
 from tools.fork.core import git, journal, overlay, series, txn
 from tools.fork.core.config import ForkConfig
-from tools.fork.core.errors import BadInput, InProgress, LocalEdits
+from tools.fork.core.errors import BadInput, LocalEdits
 from tools.fork.core.forktoml import rename_toml_entries
 from tools.fork.core.materialize import PARTIAL_SUFFIX, State, require_tree
 from tools.fork.core.series import base_tag, convention_problems, render
 
 HELP = __doc__
 
-WORK = "export"  # build/export/: a running export's journaled write (core/journal.py) and fold.json
-FOLD = "fold.json"  # the overlay fold's old and new HEAD of the tree, while the fold moves it
+WORK, FOLD = journal.EXPORT_WORK, journal.EXPORT_FOLD
 
 
 def add_arguments(p) -> None:
@@ -210,16 +209,6 @@ def stage_variant_renames(cfg: ForkConfig, changes: Changes, rendered: list[tupl
             changes[_rel(cfg, d / name)] = data
         for name in files.keys() - renamed.keys():
             changes[_rel(cfg, d / name)] = None
-
-
-def require_not_cut_short(cfg: ForkConfig) -> None:
-    """`apply` and `rebase` read patches/ and build/fork: not while a killed export left them half done."""
-    work = cfg.build_dir / WORK
-    if journal.staged(work) or (work / FOLD).is_file():
-        raise InProgress(
-            "an export was cut short: patches/, fork.toml, the overlay or build/fork are partly written; "
-            "`python -m tools.fork export` finishes it"
-        )
 
 
 def finish_cut_short(cfg: ForkConfig, tree: Path) -> list[str]:

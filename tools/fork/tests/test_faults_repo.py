@@ -166,7 +166,7 @@ def test_export_killed_at_every_step_is_finished_by_the_next_export(tmp_path, mo
         if (work / "journal.json").is_file() or (work / "fold.json").is_file():  # half done: apply refuses
             assert _cli(fork.root, "apply") == 4, label
             err = capsys.readouterr().err
-            assert len(err.splitlines()) == 1 and "`python -m tools.fork export`" in err, f"{label}: {err}"
+            assert len(err.splitlines()) == 1 and "`python3 -m tools.fork export`" in err, f"{label}: {err}"
             assert fork.snapshot() == mid and git.out(["rev-parse", "HEAD"], fork.tree) == mid_head, label
         assert _cli(fork.root, "export") == 0, f"{label}: {capsys.readouterr()}"
         out = capsys.readouterr().out

@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tools.fork.core import lock
+from tools.fork.core import journal, lock
 from tools.fork.core.errors import EXIT_BAD_INPUT, EXIT_CODES_HELP, EXIT_FAILED, EXIT_TOOLS_ENV, ForkError
 
 # verb -> (module under tools.fork, one-sentence summary for `--help`);
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if verb not in REPO_WRITERS:
             return module.run(args, cfg)
         with lock.exclusive(cfg.build_dir / REPO_LOCK, f"the repository {cfg.root}"):
+            if verb != "export":  # export finishes what a killed export left; the others refuse
+                journal.require_no_export_cut_short(cfg.build_dir)
             return module.run(args, cfg)
     except ForkError as exc:
         print(f"fork {verb}: error: {exc}", file=sys.stderr)

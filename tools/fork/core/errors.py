@@ -9,7 +9,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # a check or a test run found problems; an operation failed or was interrupted
 EXIT_BAD_INPUT = 2  # bad arguments, unknown version, missing or malformed file
 EXIT_CONFLICT = 3  # a rebase stopped at a conflict; resolve, then --continue or --abort
-EXIT_IN_PROGRESS = 4  # a rebase is already in progress, or another run holds the lock (core/lock.py)
+EXIT_IN_PROGRESS = 4  # a rebase in progress or an export cut short, or another run holds the lock
 EXIT_UPSTREAM = 5  # the base could not be obtained or verified (registry, hash)
 EXIT_LOCAL_EDITS = 6  # the operation would overwrite local edits
 EXIT_TOOLS_ENV = 7  # this Python lacks a package of the tools environment (tools/requirements.txt)
@@ -22,7 +22,8 @@ exit codes:
   2  bad input: arguments, unknown version, missing or malformed file
   3  rebase stopped at a conflict: resolve it, then `rebase --continue` or `--abort`
   4  a rebase is already in progress: `rebase --continue` or `rebase --abort` first; or another
-     run of the tool is changing the same repository or deploy target (the lock and its pid named)
+     run of the tool is changing the same repository or deploy target (the lock and its pid named);
+     or an export was cut short: `export` finishes it before `apply` or `rebase` run
   5  the upstream base could not be obtained or verified (registry, sha256)
   6  refused: the operation would overwrite local edits
   7  this Python lacks a package the verb needs (setuptools-scm, wheel, pytest): use

@@ -1,10 +1,7 @@
-"""All-or-nothing updates of the fork's protected state.
+"""Steps that a kill must not cut in half: signals held off, folders deleted via a trash name.
 
-`patches/`, `patches/series`, `fork.toml` and the overlay (`vllm_ascend/`, `tests/`) change only
-when an operation completes. Writes are staged first: every new file is written in full
-next to its target (a full disk or any error fails here, with nothing changed), then moved
-into place by renames, which need no space, with SIGINT/SIGTERM held off until the last
-rename is done.
+The protected files (`patches/`, `fork.toml`, the overlay) are written as a journal
+(core/journal.py), whose renames run with SIGINT/SIGTERM held off (`signals_deferred`).
 """
 
 from __future__ import annotations
@@ -14,63 +11,6 @@ import shutil
 import signal
 from contextlib import contextmanager
 from pathlib import Path
-
-_TMP_SUFFIX = ".fork-staged"
-
-
-class StagedWrite:
-    """Collects the new contents of files (or their removal), then applies them at once."""
-
-    def __init__(self) -> None:
-        self._writes: dict[Path, bytes] = {}
-        self._deletes: set[Path] = set()
-
-    def write(self, path: Path, data: bytes) -> None:
-        self._deletes.discard(path)
-        self._writes[path] = data
-
-    def delete(self, path: Path) -> None:
-        self._writes.pop(path, None)
-        self._deletes.add(path)
-
-    @property
-    def changed(self) -> list[Path]:
-        """Paths whose content would change (for reporting)."""
-        out = [p for p, data in self._writes.items() if not p.exists() or p.read_bytes() != data]
-        return sorted(out + [p for p in self._deletes if p.exists()])
-
-    def commit(self) -> list[Path]:
-        """Apply all staged changes; on any failure before the renames, change nothing."""
-        changed = self.changed
-        staged: list[tuple[Path, Path]] = []
-        try:
-            for path in changed:
-                if path in self._writes:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = path.with_name(path.name + _TMP_SUFFIX)
-                    with open(tmp, "wb") as f:
-                        f.write(self._writes[path])
-                        f.flush()
-                        os.fsync(f.fileno())
-                    staged.append((tmp, path))
-        except BaseException:
-            for tmp, _ in staged:
-                tmp.unlink(missing_ok=True)
-            raise
-        with signals_deferred():
-            for tmp, path in staged:
-                os.replace(tmp, path)
-            for path in changed:
-                if path in self._deletes:
-                    path.unlink(missing_ok=True)
-                    _prune_empty_dirs(path.parent)
-        return changed
-
-
-def _prune_empty_dirs(d: Path) -> None:
-    while d.is_dir() and not any(d.iterdir()):
-        d.rmdir()
-        d = d.parent
 
 
 @contextmanager

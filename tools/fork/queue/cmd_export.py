@@ -6,23 +6,28 @@ Edit the fork in either place, then export:
   - files the fork adds: edit the overlay copy in this repository (vllm_ascend/..., tests/...)
     or edit them in the tree and commit.
 Overlay edits are folded into the commit that creates the file before exporting. The output is
-deterministic: exporting an unchanged series reproduces `patches/` byte for byte.
+deterministic: exporting an unchanged series reproduces `patches/` byte for byte. A kill leaves
+each file as before or as after; the next export finishes the write first (docs/rebase.md).
 """
 
 from __future__ import annotations
 
-import tempfile
+import hashlib
+import json
+import os
+import shlex
 from pathlib import Path
 
-from tools.fork.core import git, overlay, series
+from tools.fork.core import git, journal, overlay, series, txn
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import BadInput, LocalEdits
 from tools.fork.core.forktoml import rename_toml_entries
-from tools.fork.core.materialize import State, require_tree
+from tools.fork.core.materialize import PARTIAL_SUFFIX, State, require_tree
 from tools.fork.core.series import base_tag, convention_problems, render
-from tools.fork.core.txn import StagedWrite
 
 HELP = __doc__
+
+WORK, FOLD = journal.EXPORT_WORK, journal.EXPORT_FOLD
 
 
 def add_arguments(p) -> None:
@@ -66,7 +71,13 @@ def fold_overlay_edits(cfg: ForkConfig, tree: Path, version: str) -> list[str]:
             continue
         if tree_bytes == last:
             # git-absorb semantics: the last patch that touched the file takes the edit
-            fixups.setdefault(max(creators + own.modified.get(path, [])), []).append(path)
+            index = max(creators + own.modified.get(path, []))
+            if any(later > index for later in own.deleted.get(path, [])):
+                raise BadInput(
+                    f"{path} is in the overlay but a patch deletes it in {tree}; delete it from the overlay, "
+                    "or drop the deletion from that patch, then export"
+                )
+            fixups.setdefault(index, []).append(path)
         elif repo_bytes != last:
             raise LocalEdits(
                 f"{path} was edited both in the overlay and in {tree}; keep one version "
@@ -74,42 +85,95 @@ def fold_overlay_edits(cfg: ForkConfig, tree: Path, version: str) -> list[str]:
             )
     if not fixups:
         return []
-    orig_head = git.out(["rev-parse", "HEAD"], tree)
-    try:
-        for index, paths in sorted(fixups.items()):
-            for path in paths:
-                (tree / path).write_bytes((cfg.root / path).read_bytes())
-            git.run(["add", "--", *paths], tree)
-            git.run(["commit", "-q", "--no-verify", f"--fixup={own.commits[index]}"], tree)
-        git.run(["rebase", "-q", "-i", "--autosquash", base_tag(version)], tree, env={"GIT_SEQUENCE_EDITOR": "true"})
-    except BaseException:
-        git.run(["rebase", "--abort"], tree, check=False)
-        git.run(["reset", "-q", "--hard", orig_head], tree, check=False)
-        raise
+    _fold(cfg, tree, version, {own.commits[i]: paths for i, paths in fixups.items()})
     return [p for paths in fixups.values() for p in paths]
 
 
-def stage_series(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]], patches_dir: Path) -> None:
-    """Stage patches/*.patch and patches/series for `rendered` (old patch files removed).
+def _fold(cfg: ForkConfig, tree: Path, version: str, fixups: dict[str, list[str]]) -> None:
+    """Put each file's repository bytes into the commit named for it and the commits after it (they do
+    not touch the file), with git's plumbing: new commits, then one ref update, then the files.
+    build/export/fold.json names both HEADs first, so that a kill is finished by the next export."""
+    work = cfg.build_dir / WORK
+    commits = git.out(["rev-list", "--reverse", f"{base_tag(version)}..HEAD"], tree).splitlines()
+    orig = commits[-1]
+    blobs: dict[str, str] = {}
+    parent = None
+    index = work / "fold-index"  # a scratch index: the tree's own index and files stay as they are
+    work.mkdir(parents=True, exist_ok=True)
+    for commit in commits:
+        if commit in fixups:
+            for path in fixups[commit]:
+                data = (cfg.root / path).read_bytes()
+                proc = git.run(["hash-object", "-w", "--stdin"], tree, input=data, binary=True)
+                blobs[path] = proc.stdout.decode().strip()
+        if not blobs:
+            continue
+        parent = parent or git.out(["rev-parse", f"{commit}^"], tree)
+        parent = _with_files(tree, commit, parent, blobs, index)
+    _write_json(work / FOLD, {"orig": orig, "new": parent, "paths": sorted(blobs)})
+    git.run(["update-ref", "-m", "fork export: fold overlay edits", "HEAD", parent, orig], tree)
+    _check_out(tree, sorted(blobs))
+    (work / FOLD).unlink()
 
-    In the fork's own patches/, names the pin does not apply (variant-only patches, kept for
-    older bases) stay listed at their place."""
+
+def _with_files(tree: Path, commit: str, parent: str, blobs: dict[str, str], index: Path) -> str:
+    """`commit` on `parent` with `blobs` ({path: blob}) in its tree; author and message kept."""
+    env = {"GIT_INDEX_FILE": str(index)}
+    git.run(["read-tree", commit], tree, env=env)
+    for path, blob in blobs.items():
+        listed = git.out(["ls-tree", commit, "--", path], tree)  # "<mode> blob <id>\t<path>", or nothing
+        mode = listed.split(" ", 1)[0] if listed else "100644"
+        git.run(["update-index", "--add", "--cacheinfo", f"{mode},{blob},{path}"], tree, env=env)
+    new_tree = git.out(["write-tree"], tree, env=env)
+    raw = git.run(["cat-file", "commit", commit], tree, binary=True).stdout
+    header, message = raw.split(b"\n\n", 1)
+    author = next(line for line in header.decode().splitlines() if line.startswith("author "))
+    who, _, date = author[len("author ") :].rpartition("> ")
+    name, _, email = who.partition(" <")
+    author_env = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": date}
+    proc = git.run(["commit-tree", new_tree, "-p", parent], tree, input=message, env=author_env, binary=True)
+    return proc.stdout.decode().strip()
+
+
+def _check_out(tree: Path, paths: list[str]) -> None:
+    """The tree's files and index for `paths` as HEAD has them (run again after a kill)."""
+    for path in paths:
+        data = overlay.blob(tree, "HEAD", path)
+        if data is not None:
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            (tree / path).write_bytes(data)
+    git.run(["reset", "-q", "--", *paths], tree)
+    git.run(["update-index", "-q", "--refresh"], tree, check=False)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+Changes = dict[str, bytes | None]  # what an export writes: {repo-relative path: new bytes, or None to delete}
+
+
+def _rel(cfg: ForkConfig, path: Path) -> str:
+    return path.relative_to(cfg.root).as_posix()
+
+
+def stage_series(cfg: ForkConfig, changes: Changes, rendered: list[tuple[str, bytes]]) -> None:
+    """patches/*.patch and patches/series for `rendered` (old patch files removed). Names the pin
+    does not apply (variant-only patches, kept for older bases) stay listed at their place."""
     names = [name for name, _ in rendered]
     for name, data in rendered:
-        staged.write(patches_dir / name, data)
-    for old in patches_dir.glob("*.patch"):
+        changes[_rel(cfg, cfg.patches_dir / name)] = data
+    for old in cfg.patches_dir.glob("*.patch"):
         if old.name not in names:
-            staged.delete(old)
-    listed = series.carry_variant_only(cfg, names) if patches_dir == cfg.patches_dir else names
-    staged.write(patches_dir / "series", series.series_text(listed).encode())
+            changes[_rel(cfg, old)] = None
+    listed = series.carry_variant_only(cfg, names)
+    changes[_rel(cfg, cfg.patches_dir / "series")] = series.series_text(listed).encode()
 
 
-def stage_overlay(cfg: ForkConfig, staged: StagedWrite, tree: Path, version: str) -> None:
-    for path, data in overlay.changes(cfg, tree, version).items():
-        if data is None:
-            staged.delete(cfg.root / path)
-        else:
-            staged.write(cfg.root / path, data)
+def stage_overlay(cfg: ForkConfig, changes: Changes, tree: Path, version: str) -> None:
+    changes.update(overlay.changes(cfg, tree, version))
 
 
 def renames(cfg: ForkConfig, rendered: list[tuple[str, bytes]]) -> dict[str, str]:
@@ -123,16 +187,16 @@ def renames(cfg: ForkConfig, rendered: list[tuple[str, bytes]]) -> dict[str, str
     return out
 
 
-def stage_fork_toml_renames(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]]) -> None:
+def stage_fork_toml_renames(cfg: ForkConfig, changes: Changes, rendered: list[tuple[str, bytes]]) -> None:
     """Keep `[patches."NAME"]` entries of fork.toml attached to their patch when names change."""
     text = cfg.toml_path.read_text()
     mapping = {old: new for old, new in renames(cfg, rendered).items() if old in cfg.fork_only}
     new_text = rename_toml_entries(text, mapping)
     if new_text != text:
-        staged.write(cfg.toml_path, new_text.encode())
+        changes[_rel(cfg, cfg.toml_path)] = new_text.encode()
 
 
-def stage_variant_renames(cfg: ForkConfig, staged: StagedWrite, rendered: list[tuple[str, bytes]]) -> None:
+def stage_variant_renames(cfg: ForkConfig, changes: Changes, rendered: list[tuple[str, bytes]]) -> None:
     """Per-base variants (patches/bases/<version>/NAME) follow their patch when its name changes."""
     mapping = renames(cfg, rendered)
     root = cfg.patches_dir / "bases"
@@ -142,13 +206,52 @@ def stage_variant_renames(cfg: ForkConfig, staged: StagedWrite, rendered: list[t
         files = {f.name: f.read_bytes() for f in d.glob("*.patch")}
         renamed = {mapping.get(name, name): data for name, data in files.items()}
         for name, data in renamed.items():
-            staged.write(d / name, data)
+            changes[_rel(cfg, d / name)] = data
         for name in files.keys() - renamed.keys():
-            staged.delete(d / name)
+            changes[_rel(cfg, d / name)] = None
 
 
-def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[Path]]:
-    """Export a materialized tree of the pin. Returns (overlay files folded, files changed)."""
+def finish_cut_short(cfg: ForkConfig, tree: Path) -> list[str]:
+    """Complete what an export killed midway left (build/export/), so that the tree and the
+    protected files are each either as before it or as it leaves them; returns what to tell."""
+    work = cfg.build_dir / WORK
+    txn.remove_trash(work)
+    if not work.exists():
+        return []
+    notes = []
+    fold = work / FOLD
+    if fold.is_file() and tree.is_dir():
+        moved = json.loads(fold.read_text())
+        if git.rev(tree, "HEAD") == moved["new"]:
+            for path in moved["paths"]:
+                now = (tree / path).read_bytes() if (tree / path).is_file() else None
+                if now not in (overlay.blob(tree, moved["orig"], path), overlay.blob(tree, "HEAD", path)):
+                    raise LocalEdits(
+                        f"{tree / path} was changed after an export was cut short while folding it; keep a copy, "
+                        f"then `git -C {shlex.quote(str(tree))} checkout HEAD -- {shlex.quote(path)}` and export"
+                    )
+            _check_out(tree, moved["paths"])
+            notes.append(f"finished folding overlay edits into {tree} (an export was cut short)")
+    if journal.staged(work):
+        journal.check_untouched(cfg.root, work, f"rm -rf {shlex.quote(str(work))}")
+        count, left = len(journal.entries(work)), len(journal.left(cfg.root, work))
+        with txn.signals_deferred():
+            journal.apply(cfg.root, work)
+        notes.append(
+            f"finished the write of an export that was cut short: {left} of its {count} file(s) were left"
+            if left
+            else f"an export that was cut short had written all its {count} file(s); tidied up build/export"
+        )
+    txn.discard(work)
+    return notes
+
+
+def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[tuple[str, bool]], list[str]]:
+    """Export a materialized tree of the pin. Returns (overlay files folded, files changed as
+    (path, written), notes on an export cut short that this one finished first).
+
+    Crash safety: the fold moves the tree's HEAD in one step (fold.json says how to finish it), the
+    files are written as a journal in build/export/ (core/journal.py) that the next export finishes."""
     version = require_tree(tree)
     if version != cfg.pin.version:
         raise BadInput(
@@ -156,27 +259,41 @@ def export(cfg: ForkConfig, tree: Path) -> tuple[list[str], list[Path]]:
             f"Use `rebase --onto {version}` to move the series to another base, or `apply` to make {tree} "
             f"the pin's tree again (a tree left by a rebase that was not kept)."
         )
+    notes = finish_cut_short(cfg, tree)
     _require_exportable(tree)
-    folded = fold_overlay_edits(cfg, tree, version)
-    rendered = render(tree, version)
-    staged = StagedWrite()
-    stage_series(cfg, staged, rendered, cfg.patches_dir)
-    stage_fork_toml_renames(cfg, staged, rendered)
-    stage_variant_renames(cfg, staged, rendered)
-    stage_overlay(cfg, staged, tree, version)
-    changed = staged.commit()
-    patches = [series.Patch(name, cfg.patches_dir / name) for name, _ in rendered]
-    State(
+    work = cfg.build_dir / WORK
+    try:
+        folded = fold_overlay_edits(cfg, tree, version)
+        rendered = render(tree, version)
+        changes: Changes = {}
+        stage_series(cfg, changes, rendered)
+        stage_fork_toml_renames(cfg, changes, rendered)
+        stage_variant_renames(cfg, changes, rendered)
+        stage_overlay(cfg, changes, tree, version)
+        journal.stage(cfg.root, work, changes)
+    except BaseException:
+        if not (work / FOLD).exists():  # else a fold was cut short: the next export finishes it
+            txn.discard(work)  # nothing protected was changed
+        raise
+    changed = [(rel, entry["new"]) for rel, entry in journal.entries(work).items()]
+    state = State(
         version,
         git.out(["rev-parse", base_tag(version)], tree),
-        [(p.name, p.sha256) for p in patches],
+        [(name, hashlib.sha256(data).hexdigest()) for name, data in rendered],  # as series.Patch.sha256
         git.out(["rev-parse", "HEAD"], tree),
-    ).save(tree)
-    return folded, changed
+    )
+    with txn.signals_deferred():  # Ctrl-C lands after the export is complete, not in its middle
+        journal.apply(cfg.root, work)
+        state.save(tree)
+        txn.discard(work)
+    return folded, sorted(changed), notes
 
 
 def export_upstream(cfg: ForkConfig, dest: Path) -> list[str]:
-    """Copy the upstreamable patches (not fork-only) to `dest` as a clean `git am` series."""
+    """Copy the upstreamable patches (not fork-only) to `dest` as a clean `git am` series.
+
+    Written in `<dest>.fork-partial` and renamed to `dest` when complete (the next run removes a
+    partial folder a kill left)."""
     if dest.exists() and not dest.is_dir():
         raise BadInput(f"--upstream {dest}: not a directory (give a new or empty directory)")
     if not dest.exists() and any(parent.exists() and not parent.is_dir() for parent in dest.parents):
@@ -188,15 +305,17 @@ def export_upstream(cfg: ForkConfig, dest: Path) -> list[str]:
     if dest.exists() and any(dest.iterdir()):
         raise LocalEdits(f"{dest} exists and is not empty")
     _require_applies_without_fork_only(cfg, patches)
-    staged = StagedWrite()
+    partial = dest.with_name(dest.name + PARTIAL_SUFFIX)
+    txn.discard(partial)
+    partial.mkdir(parents=True)
     renumbered = []
     for i, p in enumerate(patches, 1):
         stem = p.name.split("-", 1)[1] if p.name[:4].isdigit() and "-" in p.name else p.name
         name = f"{i:04d}-{stem}"
-        staged.write(dest / name, p.data)
+        (partial / name).write_bytes(p.data)
         renumbered.append(name)
-    staged.write(dest / "series", series.series_text(renumbered).encode())
-    staged.commit()
+    (partial / "series").write_text(series.series_text(renumbered))
+    os.replace(partial, dest)  # over an empty folder, or none
     return renumbered
 
 
@@ -206,18 +325,19 @@ def _require_applies_without_fork_only(cfg: ForkConfig, patches: list[series.Pat
         return  # the same series `check` applies
     from tools.fork.core import materialize, upstream
 
-    cfg.build_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cfg.build_dir, prefix="export-upstream-") as tmp:
-        tree = Path(tmp) / "tree"
+    tree = cfg.build_dir / "export-upstream"  # a fixed name: the next run removes what a kill left
+    txn.discard(tree)
+    try:
         materialize.create_base(upstream.obtain(cfg).source, tree)
-        try:
-            materialize.apply_series(tree, patches)
-        except materialize.ApplyFailed as exc:
-            raise BadInput(
-                f"without the fork-only patches ({', '.join(sorted(cfg.fork_only))}) the series does not apply to "
-                f"vllm-ascend {cfg.pin.version}: {exc}\nMove fork-only patches after the upstreamable ones they "
-                "touch, or take what the patch needs out of the fork-only patch."
-            ) from None
+        materialize.apply_series(tree, patches)
+    except materialize.ApplyFailed as exc:
+        raise BadInput(
+            f"without the fork-only patches ({', '.join(sorted(cfg.fork_only))}) the series does not apply to "
+            f"vllm-ascend {cfg.pin.version}: {exc}\nMove fork-only patches after the upstreamable ones they "
+            "touch, or take what the patch needs out of the fork-only patch."
+        ) from None
+    finally:
+        txn.discard(tree)
 
 
 def run(args, cfg) -> int:
@@ -228,12 +348,13 @@ def run(args, cfg) -> int:
         print(f"apply on an upstream checkout with: git am --keep-non-patch {args.upstream}/*.patch")
         return 0
     tree = (args.tree or cfg.default_fork_dir()).resolve()
-    folded, changed = export(cfg, tree)
+    folded, changed, notes = export(cfg, tree)
+    for note in notes:
+        print(f"fork export: {note}")
     for path in folded:
         print(f"fork export: folded overlay edit {path} into its patch")
     if not changed:
         print("fork export: patches/ and the overlay are up to date (nothing changed)")
-    for path in changed:
-        verb = "wrote" if path.exists() else "removed"
-        print(f"fork export: {verb} {path.relative_to(cfg.root)}")
+    for path, written in changed:
+        print(f"fork export: {'wrote' if written else 'removed'} {path}")
     return 0

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
-from tools.fork.core import config, forktoml, git, materialize, overlay, series
+from tools.fork.core import config, forktoml, git, journal, materialize, overlay, series
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import EXIT_FAILED, ForkError
 from tools.fork.core.series import base_tag
@@ -16,7 +14,7 @@ from tools.fork.rebase.report import failure, loud, print_table, written_but
 from tools.fork.rebase.state import OLD_REF, State, digest, protected_files, require_unchanged
 from tools.fork.testing.session import RunOptions, run_tests
 
-JOURNAL = "write"  # build/rebase/write/: new/<path> staged, old/<path> the files it replaces, journal.json
+JOURNAL = "write"  # build/rebase/write/: the journaled write (core/journal.py)
 
 
 def finish(cfg: ForkConfig, work: Path, st: State) -> int:
@@ -41,7 +39,7 @@ def finish(cfg: ForkConfig, work: Path, st: State) -> int:
             if current != st.new_digest:
                 if current != st.digest:
                     require_unchanged(cfg, st)
-                _stage(cfg, work, changes)
+                journal.stage(cfg.root, work / JOURNAL, changes)
                 st.phase = "writing"
                 st.save(work)
             else:
@@ -49,7 +47,7 @@ def finish(cfg: ForkConfig, work: Path, st: State) -> int:
                 st.save(work)
         if st.phase == "writing":
             with signals_deferred():
-                _renames(cfg, work)
+                journal.apply(cfg.root, work / JOURNAL)
                 st.phase = "written"
                 st.save(work)
     except BaseException as exc:
@@ -79,79 +77,6 @@ def finish(cfg: ForkConfig, work: Path, st: State) -> int:
             print(f"fork rebase: the fork's tests FAILED on {st.onto} (exit {rc}); the rebase itself is written")
             return EXIT_FAILED
     return 0
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _stage(cfg: ForkConfig, work: Path, changes: dict[str, bytes | None]) -> None:
-    """build/rebase/write/: the new files, the old ones and the list; nothing outside build/rebase changes."""
-    journal = work / JOURNAL
-    if journal.exists():  # from a run killed while staging
-        shutil.rmtree(journal)
-    entries = {}
-    for rel, data in changes.items():
-        old = cfg.root / rel
-        existed = old.is_file()
-        if data is None and not existed:
-            continue
-        if existed and data is not None and old.read_bytes() == data:
-            continue
-        if existed:
-            _write_file(journal / "old" / rel, old.read_bytes())
-        if data is not None:
-            _write_file(journal / "new" / rel, data)
-        entries[rel] = {"new": data is not None, "existed": existed}
-    tmp = journal / "journal.json.tmp"
-    _write_file(tmp, (json.dumps(entries, indent=1) + "\n").encode())
-    os.replace(tmp, journal / "journal.json")
-
-
-def _journal(work: Path) -> dict[str, dict]:
-    return json.loads((work / JOURNAL / "journal.json").read_text())
-
-
-def _renames(cfg: ForkConfig, work: Path) -> None:
-    """Move the staged files into place and delete what the rebase removes; run again after a kill."""
-    for rel, entry in _journal(work).items():
-        dest = cfg.root / rel
-        if entry["new"]:
-            staged = work / JOURNAL / "new" / rel
-            if staged.exists():
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staged, dest)
-        else:
-            dest.unlink(missing_ok=True)
-            _prune(dest.parent, cfg.root)
-
-
-def restore_old(cfg: ForkConfig, work: Path) -> bool:
-    """`--abort` of a rebase whose write began: put back every file the write replaced or deleted and
-    remove the ones it added. False when no write began (nothing to restore)."""
-    if not (work / JOURNAL / "journal.json").is_file():
-        return False
-    for rel, entry in _journal(work).items():
-        dest = cfg.root / rel
-        if entry["existed"]:
-            saved = work / JOURNAL / "old" / rel
-            if saved.exists():
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(saved, dest)
-        else:
-            dest.unlink(missing_ok=True)
-            _prune(dest.parent, cfg.root)
-    return True
-
-
-def _prune(d: Path, stop: Path) -> None:
-    while d != stop and stop in d.parents and d.is_dir() and not any(d.iterdir()):
-        d.rmdir()
-        d = d.parent
 
 
 def plan(cfg: ForkConfig, tree: Path, st: State) -> tuple[dict[str, bytes | None], list[str]]:
@@ -292,3 +217,9 @@ def _install_tree(cfg: ForkConfig, tree: Path, st: State) -> None:
         [(p.name, p.sha256) for p in patches],
         git.out(["rev-parse", "HEAD"], fork),
     ).save(fork)
+
+
+def restore_old(cfg: ForkConfig, work: Path) -> bool:
+    """`--abort` of a rebase whose write began: put back every file the write replaced or deleted and
+    remove the ones it added. False when no write began (nothing to restore)."""
+    return journal.restore(cfg.root, work / JOURNAL)

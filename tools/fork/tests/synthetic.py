@@ -22,6 +22,7 @@ from pathlib import Path
 from tools.fork import cli
 from tools.fork.core import git, txn
 from tools.fork.core.config import OVERLAY_ROOTS
+from tools.fork.core.materialize import PARTIAL_SUFFIX
 
 AUTHOR_NAME, AUTHOR_EMAIL = "Fork Dev", "dev@example.com"
 AUTHOR_DATE = "2026-01-02T03:04:05+0000"
@@ -303,7 +304,10 @@ class Fork:
 
 
 def staged_leftovers(root: Path) -> list[Path]:
-    return [p for p in root.rglob(f"*{txn._TMP_SUFFIX}")]
+    """What a cut-short write leaves: an export's journal (build/export), trash or partial folders."""
+    marks = (txn.TRASH_SUFFIX, PARTIAL_SUFFIX)
+    export = root / "build" / "export"
+    return [p for p in root.rglob("*") if p.name.endswith(marks)] + ([export] if export.exists() else [])
 
 
 def env_without_git() -> dict[str, str]:

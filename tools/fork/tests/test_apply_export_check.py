@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from tools.fork.tests.conftest import FIX_FILES, make_sdist, new_fork, pr_message, sha256
+from tools.fork.tests.synthetic import staged_leftovers
 
 
 def test_apply_materializes_base_and_series(fork_with_patch):
@@ -165,11 +167,11 @@ def test_export_new_patch_and_dropped_patch(fork_with_patch):
 
 
 def test_export_failure_midway_leaves_everything(fork_with_patch, monkeypatch):
-    """A crash while writing (here: the 2nd file fails) changes nothing protected."""
+    """A failure while writing (here: the 2nd staged file fails) changes nothing protected."""
     import os
 
     from tools.fork.core import config
-    from tools.fork.core import txn as txn_mod
+    from tools.fork.core import journal as journal_mod
     from tools.fork.queue import cmd_export as export
 
     fork = fork_with_patch
@@ -177,15 +179,16 @@ def test_export_failure_midway_leaves_everything(fork_with_patch, monkeypatch):
     fork.commit_in_tree(pr_message("[Misc][Feature] Add a knob"), {"vllm_ascend/knob.py": "KNOB = 1\n"})
     before = fork.protected()
     real_open, calls = open, []
+    staging = fork.root / "build" / export.WORK
 
     def failing_open(path, mode="r", *a, **k):
-        if "w" in mode and str(path).endswith(".fork-staged"):
+        if "w" in mode and staging in Path(path).parents:
             calls.append(path)
             if len(calls) == 2:
                 raise OSError(28, "No space left on device")
         return real_open(path, mode, *a, **k)
 
-    monkeypatch.setattr(txn_mod, "open", failing_open, raising=False)
+    monkeypatch.setattr(journal_mod, "open", failing_open, raising=False)
     monkeypatch.setenv("FORK_CACHE", str(fork.cache))
     cfg = config.load(fork.root)
     try:
@@ -194,8 +197,9 @@ def test_export_failure_midway_leaves_everything(fork_with_patch, monkeypatch):
         assert exc.errno == 28
     else:
         raise AssertionError("export did not fail")
+    assert len(calls) == 2
     assert fork.protected() == before
-    assert not [p for p in fork.root.rglob("*.fork-staged")]
+    assert staged_leftovers(fork.root) == []
     assert os.path.exists(fork.tree)
 
 

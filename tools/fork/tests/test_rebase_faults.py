@@ -143,19 +143,11 @@ module_name, _, target = target.rpartition(".")
 module = importlib.import_module(f"tools.fork.{module_name}")
 real = getattr(module, target)
 
-if isinstance(real, type):  # a class: pause in its commit()
-    class Paused(real):
-        def commit(self):
-            marker.write_text("here")
-            time.sleep(seconds)
-            return super().commit()
-    setattr(module, target, Paused)
-else:
-    def paused(*args, **kwargs):
-        marker.write_text("here")
-        time.sleep(seconds)
-        return real(*args, **kwargs)
-    setattr(module, target, paused)
+def paused(*args, **kwargs):
+    marker.write_text("here")
+    time.sleep(seconds)
+    return real(*args, **kwargs)
+setattr(module, target, paused)
 from tools.fork.cli import main
 sys.exit(main(sys.argv[4:]))
 """
@@ -207,7 +199,7 @@ def test_signal_before_the_final_write_keeps_the_work(tmp_path, monkeypatch):
 
 def test_signal_during_the_final_write_is_held_until_it_is_complete(tmp_path, monkeypatch):
     fork = make(tmp_path, monkeypatch, edited(UPSTREAM, {"README.md": const("x\n")}))
-    p = _interrupt(fork, tmp_path, "rebase.write._renames", signal.SIGTERM, "rebase", "--onto", B, pause=1)
+    p = _interrupt(fork, tmp_path, "core.journal.apply", signal.SIGTERM, "rebase", "--onto", B, pause=1)
     assert p.returncode == EXIT_FAILED, p.stderr
     assert "interrupted" in p.stderr and "The rebase IS written" in p.stderr
     assert config.load(fork.root).pin.version == B  # all of it: the write was not cut in half
@@ -215,6 +207,16 @@ def test_signal_during_the_final_write_is_held_until_it_is_complete(tmp_path, mo
     r = fork.ok("rebase", "--continue")
     assert "done" in r.out and not fork.work.exists()
     assert_tree(fork, expected_tree(fork.releases[B]))
+
+
+def test_signal_during_an_exports_write_is_held_until_the_export_is_complete(tmp_path, monkeypatch):
+    fork = make(tmp_path, monkeypatch, None)
+    fork.commit(fork.tree, "[Misc][Feature] Add a knob", {"vllm_ascend/knob.py": const("KNOB = 1\n")})
+    p = _interrupt(fork, tmp_path, "core.journal.apply", signal.SIGINT, "export", pause=1)
+    assert p.returncode == EXIT_FAILED and p.stderr == "fork export: interrupted\n", p.stderr
+    assert (fork.root / "vllm_ascend/knob.py").read_text() == "KNOB = 1\n"  # all of it: not cut in half
+    assert "0004-Misc-Feature-Add-a-knob.patch" in fork.series() and staged_leftovers(fork.root) == []
+    assert "up to date" in fork.ok("export").out
 
 
 def test_help_lists_the_exit_codes():

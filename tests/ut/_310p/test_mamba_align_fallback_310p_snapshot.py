@@ -172,16 +172,19 @@ def run_fallback(block_size, reqs, snapshot, live, block_table, pools):
         forward_context=pools.forward_context,
         mamba_state_copy_funcs=COPY_FUNCS,
     )
+    assert out[num_reqs:].tolist() == [-7, -7], "rows past num_reqs must stay untouched"
     return out[:num_reqs].tolist()
 
 
 def test_fallback_follows_the_accepted_token_snapshot_not_the_live_rows():
     rng = random.Random(20261130)
-    divergent = 0
+    divergent = shifted_in_place = 0
     for step in range(NUM_STEPS):
         block_size, num_spec, reqs, snapshot = random_step(rng)
         live = stale_rows(snapshot, rng, 1 + num_spec)
         expected = reference_decisions(reqs, snapshot, block_size)
+        # the only copy that overlaps itself: a conv shift inside the request's own block
+        shifted_in_place += sum(move is not None and move[0] == move[1] for move, _ in expected)
         divergent += expected != reference_decisions(reqs, live.tolist(), block_size)
 
         num_reqs = len(reqs)
@@ -197,5 +200,7 @@ def test_fallback_follows_the_accepted_token_snapshot_not_the_live_rows():
         context = f"step {step}: reqs={reqs} snapshot={snapshot} live={live_before.tolist()} bs={block_size}"
         assert counts == [n for _, n in expected], context
         np.testing.assert_array_equal(pools.raw.numpy(), oracle, err_msg=context)
+        np.testing.assert_array_equal(live, live_before, err_msg="the fallback must not write the live rows")
     # The scenario exercises the bug: on many steps the live rows would lead to other decisions.
     assert divergent >= NUM_STEPS // 4, divergent
+    assert shifted_in_place > 0, "no step drew a same-block shift"

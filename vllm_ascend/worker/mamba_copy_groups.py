@@ -6,15 +6,14 @@ with the same block ids, so ``record`` keeps one ``Move`` per request
 and group instead of a tensor pair per layer and state.
 Layout: the layers of a group that one storage holds at one stride
 (all of them when one allocation holds every layer) form a *family*,
-with other groups' layers at the same places. A family is seen as
-(layers, rows, row), so a move is the same rows in every layer. A
-*row* is a storage's unit, the gcd of every offset and size in it
-(``Shape.row_bytes``); a conv state shifts by tokens of
-``State.token_bytes``. Other layouts: ``record`` says False and the
-caller copies pair by pair.
-Hazards: moves whose blocks interact go pair by pair, in order. The
-rest touch blocks no other move touches: only a conv state shifted
-inside its own block overlaps itself.
+with other groups' layers at the same places, seen as (layers, rows,
+row): a move is the same rows in every layer. A *row* is the gcd of
+every offset and size in the storage (``Shape.row_bytes``), not a
+conv state's token (``State.token_bytes``). Other layouts: ``record``
+says False and the caller copies pair by pair.
+Hazards: moves whose blocks interact go pair by pair, in order; the
+rest touch blocks no other move touches, and only a conv state
+shifted inside its own block overlaps itself.
 Strategies: a small step (``_is_small_step``) is one ``_foreach_copy_``
 of views spanning a family's layers (shifted sources staged first).
 A larger one, or a small one whose staging would pass the cap,
@@ -84,11 +83,10 @@ def _kind(func, state: torch.Tensor) -> str | None:
         return None
     if func is vllm_mamba.get_temporal_copy_spec:
         return "temporal"
-    if func is not vllm_mamba.get_conv_copy_spec:
-        return None
     # vLLM's DS conv layout (dim first) does not shift by tokens
-    dim_first = getattr(vllm_mamba, "is_conv_state_dim_first", bool)
-    return None if dim_first() else "conv"
+    dim_first = getattr(vllm_mamba, "is_conv_state_dim_first", bool)()
+    conv = func is vllm_mamba.get_conv_copy_spec
+    return "conv" if conv and not dim_first else None
 
 
 def _layer_states(states, kinds) -> tuple[int, tuple] | None:
@@ -97,14 +95,14 @@ def _layer_states(states, kinds) -> tuple[int, tuple] | None:
     found = []
     for s, k in zip(states, kinds):
         elements = (s.stride(0), s[0].numel(), s.stride(1))
-        found.append(State(k, s.data_ptr() - first, *(n * s.element_size() for n in elements)))
-    found = tuple(found)
+        nbytes = (n * s.element_size() for n in elements)
+        found.append(State(k, s.data_ptr() - first, *nbytes))
     spans = sorted((s.offset, s.offset + s.block_bytes) for s in found)
     stride = found[0].block_stride
     starts = [start for start, _ in spans[1:]] + [stride]
     fits = all(end <= start for (_, end), start in zip(spans, starts))
     alike = all(s.block_stride == stride for s in found)
-    return (first, found) if fits and alike else None
+    return (first, tuple(found)) if fits and alike else None
 
 
 def _storages(layers: list[Layer]) -> dict | None:
@@ -191,9 +189,8 @@ def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_i
 
 
 def _interacting(blocks: np.ndarray) -> np.ndarray:
-    """Moves whose blocks (columns: conv source, temporal source,
-    destination, as ``BLOCKS``) another move touches in a way that
-    orders them."""
+    """Moves whose blocks (columns as ``BLOCKS``) another move touches
+    in a way that orders them."""
     each = np.sort(blocks, axis=1)
     each = each[np.diff(each, axis=1, prepend=-1) != 0]  # blocks once
     if np.unique(each).size == each.size:  # no block shared: none

@@ -332,7 +332,8 @@ def test_row_indices_over_half_the_cap_get_half_the_cap_beside_them(monkeypatch)
     model = Model(WIDE["raw"], num_blocks=16, pad=0)
     # 8 moves of a conv state shifted by one token: 3 of its 4 128-byte rows each, in one layer a family
     requests = [([[b, b + 8, b + 8]], 0, 1, 1) for b in range(8)]
-    indices = mamba_copy_groups.INDEX_BYTES * 8 * 3 * 2  # every layer's (one) and the uploaded layer's
+    # 16 bytes (int64 source, destination) a row, for every layer (one) and the uploaded layer
+    indices = 16 * 8 * 3 * 2
     assert indices > cap // 2
     kept = {s.untyped_storage().data_ptr() for s in model.storages}
     with Temporaries(torch.device(DEVICE).type, kept) as temporaries:

@@ -6,19 +6,24 @@ with the same block ids, so ``record`` keeps one ``Move`` per request
 and group instead of a tensor pair per layer and state.
 Layout: the layers of a group that one storage holds at one stride
 (all of them when one allocation holds every layer) form a *family*,
-with other groups' layers at the same places. A family is seen as
-(layers, rows, row), so a move is the same rows in every layer. Other
-layouts: ``record`` says False and the caller copies pair by pair.
-Hazards: moves whose blocks interact go pair by pair, in order. The
-rest touch blocks no other move touches: only a conv state shifted
-inside its own block overlaps itself.
-Strategies: a small step is one ``_foreach_copy_`` of views spanning a
-family's layers (shifted sources staged first); a larger one gathers
-rows into a buffer (``index_select``) and scatters them (``index_copy_``)
-chunk by chunk: a chunk reads before it writes, and shifts go to lower
-rows, so no chunk reads what an earlier one wrote.
+with other groups' layers at the same places, seen as (layers, rows,
+row): a move is the same rows in every layer. A *row* is the gcd of
+every offset and size in the storage (``Shape.row_bytes``), not a
+conv state's token (``State.token_bytes``). Other layouts: ``record``
+says False and the caller copies pair by pair.
+Hazards: moves whose blocks interact go pair by pair, in order; the
+rest touch blocks no other move touches, and only a conv state
+shifted inside its own block overlaps itself.
+Strategies: a small step (``_is_small_step``) is one ``_foreach_copy_``
+of views spanning a family's layers (shifted sources staged first).
+A larger one, or a small one whose staging would pass the cap,
+gathers rows into a buffer (``index_select``) and scatters them
+(``index_copy_``) chunk by chunk: a chunk reads before it writes, and
+shifts go to lower rows, so no chunk reads what an earlier one wrote.
 Memory: staging, gather buffer and row indices stay under
-``GATHER_BYTES`` (the exception and its bound: docs/copy-groups.md).
+``GATHER_BYTES``, with one exception: row indices over half the cap
+are kept whole and the buffer gets half the cap (or one row), so the
+total is the indices plus half the cap (docs/copy-groups.md).
 """
 
 import math
@@ -32,15 +37,16 @@ from vllm.model_executor.layers.mamba import mamba_utils as vllm_mamba
 from vllm_ascend.worker.mamba_copy_checks import conflicting_pairs
 
 GATHER_BYTES = 64 << 20  # the most bytes of temporaries a step holds
-DIRECT_PAIRS_PER_FAMILY = 4  # direct up to this many a family, plus 8
+DIRECT_PAIRS_PER_FAMILY = 4  # see _is_small_step
 INDEX_BYTES = 16  # a row's source and destination index (int64)
 _DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-GROUP, BIAS, CONV_SRC, TEMPORAL_SRC, DST = range(5)  # a Move's fields
 
-
+Layer = namedtuple("Layer", "name group states funcs")  # mamba_layers()
 Move = namedtuple("Move", "group bias conv_src temporal_src dst")  # block ids
+COLUMN = Move(*range(len(Move._fields)))  # a field's column in a table
+BLOCKS = [COLUMN.conv_src, COLUMN.temporal_src, COLUMN.dst]
 # A state, in bytes from its layer's first byte in the storage.
-State = namedtuple("State", "kind offset block_stride block_bytes row_bytes")
+State = namedtuple("State", "kind offset block_stride block_bytes token_bytes")
 # Families alike (layer_rows: from one layer to the next) share rows.
 Shape = namedtuple("Shape", "row_bytes states layers layer_rows groups")
 # A family's rows as (layers x rows, row elements), (layers, elements).
@@ -77,33 +83,37 @@ def _kind(func, state: torch.Tensor) -> str | None:
         return None
     if func is vllm_mamba.get_temporal_copy_spec:
         return "temporal"
-    # vLLM's DS conv layout (dim first) does not shift by rows
+    # vLLM's DS conv layout (dim first) does not shift by tokens
     dim_first = getattr(vllm_mamba, "is_conv_state_dim_first", bool)()
-    return "conv" if func is vllm_mamba.get_conv_copy_spec and not dim_first else None
+    conv = func is vllm_mamba.get_conv_copy_spec
+    return "conv" if conv and not dim_first else None
 
 
 def _layer_states(states, kinds) -> tuple[int, tuple] | None:
     """(first byte, States) of states disjoint in one block stride."""
     first = min(s.data_ptr() for s in states)
-    found = tuple(
-        State(k, s.data_ptr() - first, *(n * s.element_size() for n in (s.stride(0), s[0].numel(), s.stride(1))))
-        for s, k in zip(states, kinds)
-    )
+    found = []
+    for s, k in zip(states, kinds):
+        elements = (s.stride(0), s[0].numel(), s.stride(1))
+        nbytes = (n * s.element_size() for n in elements)
+        found.append(State(k, s.data_ptr() - first, *nbytes))
     spans = sorted((s.offset, s.offset + s.block_bytes) for s in found)
     stride = found[0].block_stride
     starts = [start for start, _ in spans[1:]] + [stride]
     fits = all(end <= start for (_, end), start in zip(spans, starts))
-    return (first, found) if fits and all(s.block_stride == stride for s in found) else None
+    alike = all(s.block_stride == stride for s in found)
+    return (first, tuple(found)) if fits and alike else None
 
 
-def _storages(layers) -> dict | None:
+def _storages(layers: list[Layer]) -> dict | None:
     """Per storage: [storage, row bytes (the gcd of every offset and
     size in it), {(group, States): [(first byte, layer name)]}]."""
     found: dict[int, list] = {}
     for name, group, states, funcs in layers:
         parts: dict[int, list] = {}
         for s, func in zip(states, funcs):
-            parts.setdefault(s.untyped_storage().data_ptr(), []).append((s, _kind(func, s)))
+            ptr = s.untyped_storage().data_ptr()
+            parts.setdefault(ptr, []).append((s, _kind(func, s)))
         for ptr, part in parts.items():
             if (placed := _layer_states(*zip(*part))) is None:
                 return None
@@ -115,32 +125,38 @@ def _storages(layers) -> dict | None:
     return found
 
 
-def _discover(copies: GroupedCopies, layers) -> None:
+def _discover(copies: GroupedCopies, layers: list[Layer]) -> None:
     """Find the families and places of the layers (or leave None)."""
     if (storages := _storages(layers)) is None:
         return
     # one element type for all: one gather buffer serves every family
-    unit = max(u for u in _DTYPES if all(row % u == 0 for _, row, _ in storages.values()))
+    rows = [row for _, row, _ in storages.values()]
+    unit = max(u for u in _DTYPES if all(row % u == 0 for row in rows))
     runs: dict[tuple, dict] = {}  # alike at one stride: {group: names}
     for storage, row, members in storages.values():
         size = storage.nbytes() // row * row
         for (group, states), at in members.items():
             firsts, names = zip(*sorted(at))
-            stride = firsts[1] - firsts[0] if len(firsts) > 1 else size - firsts[0]
-            if np.diff(firsts).tolist() != [stride] * (len(firsts) - 1) or firsts[0] + len(firsts) * stride > size:
+            count = len(firsts)
+            stride = firsts[1] - firsts[0] if count > 1 else size - firsts[0]
+            steps = np.diff(firsts).tolist()
+            if steps != [stride] * (count - 1) or firsts[0] + count * stride > size:
                 return  # not at one layer stride
-            runs.setdefault((storage, row, states, firsts[0], stride, len(firsts)), {})[group] = names
+            key = (storage, row, states, firsts[0], stride, count)
+            runs.setdefault(key, {})[group] = names
     copies.families, copies.places = [], {}
     for (storage, row, states, first, stride, count), groups in runs.items():
         flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        stack = flat[first : first + count * stride].view(_DTYPES[unit]).view(count, stride // row, -1)
-        shape = Shape(row, states, count, stride // row if count > 1 else 0, tuple(sorted(groups)))
+        data = flat[first : first + count * stride].view(_DTYPES[unit])
+        stack = data.view(count, stride // row, -1)
+        layer_rows = stride // row if count > 1 else 0
+        shape = Shape(row, states, count, layer_rows, tuple(sorted(groups)))
         family = Family(shape, stack.view(-1, stack.shape[2]), stack.view(count, -1))
         copies.families.append(family)
         for group, names in groups.items():
             for i, name in enumerate(names):
                 copies.places.setdefault(name, []).append(Place(family, i, group))
-    copies.num_blocks = min(s.shape[0] for *_, states, _ in layers for s in states)
+    copies.num_blocks = min(s.shape[0] for layer in layers for s in layer.states)
 
 
 def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_idx, accept_token_bias, req_state):
@@ -150,8 +166,9 @@ def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_i
         copy_bufs._mamba_copy_groups = GroupedCopies()
     copies = copy_bufs._mamba_copy_groups
     if not getattr(copy_bufs, "_mamba_copy_requests", None):  # a new step
-        copies.layers, copy_bufs._mamba_copy_requests = mamba_layers(), []
-        pairs = [(s, f) for *_, states, funcs in copies.layers for s, f in zip(states, funcs)]
+        copies.layers = [Layer(*layer) for layer in mamba_layers()]
+        copy_bufs._mamba_copy_requests = []
+        pairs = [(s, f) for layer in copies.layers for s, f in zip(layer.states, layer.funcs)]
         signature = [(s.data_ptr(), s.shape, f) for s, f in pairs]
         if signature != copies.signature:  # new KV-cache tensors
             copies.signature, copies.families = signature, None
@@ -165,20 +182,22 @@ def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_i
         move = Move(group, bias, ids[src], ids[src + bias], ids[dest_block_idx])
         copy_bufs._mamba_copy_requests.append(move)
     metadata = getattr(copy_bufs, "_layer_copy_metadata", None)
-    for name, *_ in copies.layers if metadata is not None else ():
-        metadata.setdefault(name, ([], [], []))  # layers to visit
+    if metadata is not None:
+        for layer in copies.layers:  # the layers to visit
+            metadata.setdefault(layer.name, ([], [], []))
     return True
 
 
 def _interacting(blocks: np.ndarray) -> np.ndarray:
-    """Moves whose blocks (conv source, temporal source, destination)
-    another move touches in a way that orders them."""
+    """Moves whose blocks (columns as ``BLOCKS``) another move touches
+    in a way that orders them."""
     each = np.sort(blocks, axis=1)
     each = each[np.diff(each, axis=1, prepend=-1) != 0]  # blocks once
     if np.unique(each).size == each.size:  # no block shared: none
         return np.zeros(len(blocks), dtype=bool)
+    conv, temporal, dst = blocks.T
     owners = np.tile(np.arange(len(blocks)), 2)
-    src, dst = blocks[:, :2].T.ravel(), np.tile(blocks[:, 2], 2)
+    src, dst = np.concatenate([conv, temporal]), np.tile(dst, 2)
     pairs = conflicting_pairs(src, dst, np.ones_like(owners), owners)
     return pairs[: len(blocks)] | pairs[len(blocks) :]
 
@@ -187,17 +206,17 @@ def _rows(table: np.ndarray, shape: Shape) -> Ranges:
     """One layer's row ranges of the moves, group by group."""
     mine = np.zeros(len(table), dtype=bool)
     for group in shape.groups:
-        mine |= table[:, GROUP] == group
+        mine |= table[:, COLUMN.group] == group
     table, src, dst, nbytes = table[mine], [], [], []
     for state in shape.states:
         conv = state.kind == "conv"
-        shift = table[:, BIAS] * (state.row_bytes if conv else 0)
-        block = table[:, CONV_SRC if conv else TEMPORAL_SRC]
+        shift = table[:, COLUMN.bias] * (state.token_bytes if conv else 0)
+        block = table[:, COLUMN.conv_src if conv else COLUMN.temporal_src]
         src.append(state.offset + block * state.block_stride + shift)
-        dst.append(state.offset + table[:, DST] * state.block_stride)
+        dst.append(state.offset + table[:, COLUMN.dst] * state.block_stride)
         nbytes.append(np.maximum(state.block_bytes - shift, 0))
     src, dst, count = (np.stack(x) // shape.row_bytes for x in (src, dst, nbytes))
-    group = np.broadcast_to(table[:, GROUP], src.shape)
+    group = np.broadcast_to(table[:, COLUMN.group], src.shape)
     order = np.argsort(group.ravel(), kind="stable")
     return Ranges(*(x.ravel()[order] for x in (src, dst, count, group)))
 
@@ -231,31 +250,42 @@ def _row_index(rows: Ranges, shape: Shape, device) -> RowIndex:
     return RowIndex(index, ends[-1], groups)
 
 
+def _is_small_step(ranges: int, families: int) -> bool:
+    """DIRECT_PAIRS_PER_FAMILY ranges a family, and twice more a step."""
+    return ranges <= DIRECT_PAIRS_PER_FAMILY * (families + 2)
+
+
 def _plan(moves: list[Move], copies: GroupedCopies) -> Plan:
     """Pick the step's strategy (see the module docstring)."""
     table = np.array(moves, dtype=np.int64)
-    blocks, num_blocks = table[:, CONV_SRC:], copies.num_blocks
+    blocks, num_blocks = table[:, BLOCKS], copies.num_blocks
     if blocks.min() < 0 or blocks.max() >= num_blocks:
         used = np.unique(blocks).tolist()
         raise IndexError(f"Mamba state copy outside the {num_blocks} KV-cache blocks: {used}")
     bad = _interacting(blocks)
     serial = [m for m, interacts in zip(moves, bad) if interacts]
     plan, families = Plan(moves, serial, set(copies.places)), copies.families
-    grouped = table[~bad]
-    rows = {s: _rows(grouped, s) for s in dict.fromkeys(f.shape for f in families)}
-    unit, device = families[0].by_row.element_size(), families[0].by_row.device
-    if sum(len(rows[f.shape].src) for f in families) <= DIRECT_PAIRS_PER_FAMILY * (len(families) + 2):
+    shapes = dict.fromkeys(f.shape for f in families)
+    rows = {s: _rows(table[~bad], s) for s in shapes}
+    data = families[0].by_row  # the gather buffer's element type
+    unit = data.element_size()
+    if _is_small_step(sum(len(rows[f.shape].src) for f in families), len(families)):
         plan.direct = {s: _direct(r, s, unit) for s, r in rows.items()}
         staged = [sum(plan.direct[f.shape][1].length) * f.shape.layers for f in families]
         if sum(staged) * unit <= GATHER_BYTES:
             return plan
         plan.direct = None  # staging over the cap: indexed after all
-    plan.indexed = {s: _row_index(r, s, device) for s, r in rows.items()}
-    # the indices count in the cap: the buffer takes what they leave
+    plan.indexed = {s: _row_index(r, s, data.device) for s, r in rows.items()}
+    # the indices count in the cap: the buffer takes what they leave,
+    # or half the cap when they leave less (the docstring's exception)
     counted = [(s.layers + 1) * i.layer_rows for s, i in plan.indexed.items()]
     budget = max(GATHER_BYTES - INDEX_BYTES * sum(counted), GATHER_BYTES // 2)
-    sizes = [min(s.layers * i.layer_rows, max(1, budget // s.row_bytes)) * s.row_bytes for s, i in plan.indexed.items()]
-    plan.buffer = torch.empty(max(sizes) // unit, dtype=families[0].by_row.dtype, device=device)
+    sizes = []
+    for shape, index in plan.indexed.items():
+        fit = min(shape.layers * index.layer_rows, budget // shape.row_bytes)
+        sizes.append(max(1, fit) * shape.row_bytes)  # rows, one at least
+    elements = max(sizes) // unit
+    plan.buffer = torch.empty(elements, dtype=data.dtype, device=data.device)
     return plan
 
 
@@ -306,13 +336,13 @@ def _copy_indexed(plan: Plan, targets: list[Place]) -> None:
             data.index_copy_(0, dst, out)
 
 
-def _copy_pair_by_pair(layers, moves: list, layer_name) -> None:
+def _copy_pair_by_pair(layers: list[Layer], moves: list, layer_name) -> None:
     """``dst.copy_(src.clone())`` in pair order: move, layer, state."""
     for move in moves:
-        for name, group, states, funcs in layers:
-            if group != move.group or layer_name not in (None, name):
+        for layer in layers:
+            if layer.group != move.group or layer_name not in (None, layer.name):
                 continue
-            for state, func in zip(states, funcs):  # as vLLM's specs read
+            for state, func in zip(layer.states, layer.funcs):  # as vLLM's specs read
                 if _kind(func, state) == "conv":
                     src = state[move.conv_src, move.bias :].flatten()
                 else:

@@ -73,7 +73,12 @@ def assert_independent(dsts, srcs):
 
 @contextlib.contextmanager
 def strategy(name):
+    """Force a copy strategy, and check that the step took it (and only it)."""
+    ran = {"direct": 0, "indexed": 0}
     with pytest.MonkeyPatch.context() as mp:
+        for path in ran:
+            copy_path = getattr(mamba_copy_groups, f"_copy_{path}")
+            mp.setattr(mamba_copy_groups, f"_copy_{path}", _counted(ran, path, copy_path))
         if name == "direct":
             foreach_copy = torch._foreach_copy_
             mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", 10**9)
@@ -81,10 +86,21 @@ def strategy(name):
                 torch, "_foreach_copy_", lambda dsts, srcs: assert_independent(dsts, srcs) or foreach_copy(dsts, srcs)
             )
         else:
-            mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", 0)
+            # -1: indexed even when every move interacts (pair by pair) and no range is grouped
+            mp.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", -1)
             if name == "one_row_chunks":
                 mp.setattr(mamba_copy_groups, "GATHER_BYTES", 1)
         yield
+    took = "direct" if name == "direct" else "indexed"
+    assert ran[took] > 0 and sum(ran.values()) == ran[took], f"{name} ran the paths {ran}"
+
+
+def _counted(ran, path, copy_path):
+    def counted(*args):
+        ran[path] += 1
+        return copy_path(*args)
+
+    return counted
 
 
 class Model:
@@ -216,6 +232,7 @@ def test_grouped_copies_equal_pair_order_memmove(case):
         [([[2, 5, 6]], 1, 2, 1), ([[3, 5, 7]], 1, 2, 1)],  # two requests read one shared block
         [([[1, 4, 6]], 0, 2, 1), ([[2, 3, 4]], 1, 2, 0)],  # a chain: 1 -> 6 ... 3 -> 4, 4 read first
         [([[4, 5, 6]], 1, 2, 0), ([[3, 4, 5]], 1, 2, 0)],  # a chain through block 5: 5 -> 6, then 4 -> 5
+        [([[1, 2, 5]], 0, 2, 1), ([[5, 6, 7]], 0, 2, 1)],  # a chain: 1, 2 -> 5, then 5 (just written), 6 -> 7
         [([[1, 2, 7]], 0, 2, 1), ([[3, 4, 7]], 0, 2, 1)],  # one destination twice: the later pair wins
         [([[1, 2, 7]], 0, 2, 1), ([[3, 7, 7]], 0, 2, 1), ([[4, 8, 9]], 1, 2, 0)],  # mixed
     ],
@@ -259,7 +276,9 @@ WIDE = {
 
 @pytest.mark.parametrize("layout", sorted(WIDE))
 @pytest.mark.parametrize("direct_pairs_per_family", [0, 10**9])
-def test_temporaries_stay_under_the_cap_whatever_the_batch(monkeypatch, direct_pairs_per_family, layout):
+def test_temporaries_stay_under_the_cap_on_both_paths_and_none_outlives_its_step(
+    monkeypatch, direct_pairs_per_family, layout
+):
     """Every temporary of a step (staging, gather buffer, row indices) together stays under GATHER_BYTES
     (without the cap they are larger), and none outlives its step."""
     monkeypatch.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", direct_pairs_per_family)
@@ -302,3 +321,33 @@ def test_a_block_outside_the_storage_raises_before_any_copy():
     with pytest.raises(IndexError, match="outside the 10 KV-cache blocks"):
         mamba_copy_groups.copy(model.bufs)
     assert_equal(model, before)
+
+
+def test_row_indices_over_half_the_cap_get_half_the_cap_beside_them(monkeypatch):
+    """The cap's exception: indices that need more than half of GATHER_BYTES are kept whole, and the gather
+    buffer gets half the cap, so the temporaries stay under the indices plus half the cap."""
+    monkeypatch.setattr(mamba_copy_groups, "DIRECT_PAIRS_PER_FAMILY", 0)
+    cap = 512
+    monkeypatch.setattr(mamba_copy_groups, "GATHER_BYTES", cap)
+    model = Model(WIDE["raw"], num_blocks=16, pad=0)
+    # 8 moves of a conv state shifted by one token: 3 of its 4 128-byte rows each, in one layer a family
+    requests = [([[b, b + 8, b + 8]], 0, 1, 1) for b in range(8)]
+    # 16 bytes (int64 source, destination) a row, for every layer (one) and the uploaded layer
+    indices = 16 * 8 * 3 * 2
+    assert indices > cap // 2
+    kept = {s.untyped_storage().data_ptr() for s in model.storages}
+    with Temporaries(torch.device(DEVICE).type, kept) as temporaries:
+        want = model.run(requests, layerwise=False)
+    assert_equal(model, want)
+    assert cap < temporaries.peak <= indices + cap // 2, temporaries.peak
+
+
+def test_the_dim_first_conv_layout_is_left_to_the_per_pair_collector(monkeypatch):
+    """vLLM's dim-first conv state layout does not shift by token rows: not a layout known here."""
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    monkeypatch.setattr(mamba_utils, "is_conv_state_dim_first", lambda: True, raising=False)
+    model = Model("raw")
+    req = SimpleNamespace(block_ids=[[1, 2, 3]])
+    assert not mamba_copy_groups.record(model.bufs, lambda: model.layers, [0], 0, 2, 1, req)
+    assert not mamba_copy_groups.copy(model.bufs)

@@ -174,8 +174,12 @@ def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_i
             copies.signature, copies.families = signature, None
             if all(_kind(f, s) for s, f in pairs):
                 _discover(copies, copies.layers)
-    if copies.families is None or accept_token_bias < 0:
-        return False
+    if copies.families is None:
+        return False  # the layout is the step's: no request of it is grouped
+    if accept_token_bias < 0:
+        # vLLM never shifts backwards; declining one request would mix
+        # grouped and per-pair requests in a step, out of pair order
+        raise ValueError(f"Mamba state move with a negative shift: {accept_token_bias}")
     src, bias = src_block_idx, accept_token_bias
     for group in mamba_group_ids:
         ids = req_state.block_ids[group]

@@ -351,3 +351,13 @@ def test_the_dim_first_conv_layout_is_left_to_the_per_pair_collector(monkeypatch
     req = SimpleNamespace(block_ids=[[1, 2, 3]])
     assert not mamba_copy_groups.record(model.bufs, lambda: model.layers, [0], 0, 2, 1, req)
     assert not mamba_copy_groups.copy(model.bufs)
+
+
+def test_a_negative_shift_raises_instead_of_mixing_a_step():
+    """Declining one request of a step would copy it per pair after the grouped ones, out of pair order."""
+    model = Model("raw")
+    first = SimpleNamespace(block_ids=[[1, 2, 3]])
+    assert mamba_copy_groups.record(model.bufs, lambda: model.layers, [0], 0, 2, 1, first)
+    second = SimpleNamespace(block_ids=[[4, 5, 6]])
+    with pytest.raises(ValueError, match="negative shift"):
+        mamba_copy_groups.record(model.bufs, lambda: model.layers, [0], 1, 2, -1, second)

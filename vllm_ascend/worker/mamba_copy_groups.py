@@ -208,9 +208,7 @@ def _interacting(blocks: np.ndarray) -> np.ndarray:
 
 def _rows(table: np.ndarray, shape: Shape) -> Ranges:
     """One layer's row ranges of the moves, group by group."""
-    mine = np.zeros(len(table), dtype=bool)
-    for group in shape.groups:
-        mine |= table[:, COLUMN.group] == group
+    mine = np.isin(table[:, COLUMN.group], shape.groups)
     table, src, dst, nbytes = table[mine], [], [], []
     for state in shape.states:
         conv = state.kind == "conv"

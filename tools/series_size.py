@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGETS = {"batched-memmove": 300, "Group-Mamba-state-tensor-copies": 365}  # added lines outside tests/
-SERIES_BUDGET = 860
+BUDGETS = {"batched-memmove": 300, "Group-Mamba-state-tensor-copies": 400}  # added lines outside tests/
+SERIES_BUDGET = 880
 
 
 def numstat(patch: Path) -> tuple[int, int]:

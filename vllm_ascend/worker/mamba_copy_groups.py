@@ -208,7 +208,9 @@ def _interacting(blocks: np.ndarray) -> np.ndarray:
 
 def _rows(table: np.ndarray, shape: Shape) -> Ranges:
     """One layer's row ranges of the moves, group by group."""
-    mine = np.isin(table[:, COLUMN.group], shape.groups)
+    mine = np.zeros(len(table), dtype=bool)
+    for group in shape.groups:  # np.isin costs ~30 us a call on small arrays
+        mine |= table[:, COLUMN.group] == group
     table, src, dst, nbytes = table[mine], [], [], []
     for state in shape.states:
         conv = state.kind == "conv"

@@ -105,15 +105,7 @@ def left(root: Path, journal: Path) -> list[str]:
 def apply(root: Path, journal: Path) -> None:
     """Move the staged files into place and delete what the write removes; run again after a kill."""
     for rel, entry in entries(journal).items():
-        dest = root / rel
-        if entry["new"]:
-            new = journal / "new" / rel
-            if new.exists():
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(new, dest)
-        else:
-            dest.unlink(missing_ok=True)
-            _prune(dest.parent, root)
+        _put(root, rel, journal / "new" / rel if entry["new"] else None)
 
 
 def restore(root: Path, journal: Path) -> bool:
@@ -122,19 +114,24 @@ def restore(root: Path, journal: Path) -> bool:
     if not staged(journal):
         return False
     for rel, entry in entries(journal).items():
-        dest = root / rel
-        if entry["existed"]:
-            saved = journal / "old" / rel
-            if saved.exists():
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(saved, dest)
-        else:
-            dest.unlink(missing_ok=True)
-            _prune(dest.parent, root)
+        _put(root, rel, journal / "old" / rel if entry["existed"] else None)
     return True
 
 
-def _prune(d: Path, stop: Path) -> None:
+def _put(root: Path, rel: str, source: Path | None) -> None:
+    """`root/rel` becomes `source` (renamed into place, unless an earlier run already did), or is
+    removed with the folders it leaves empty when `source` is None."""
+    dest = root / rel
+    if source is None:
+        dest.unlink(missing_ok=True)
+        prune_empty_dirs(dest.parent, root)
+    elif source.exists():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, dest)
+
+
+def prune_empty_dirs(d: Path, stop: Path) -> None:
+    """Remove `d` and its parents while empty, up to (not including) `stop`."""
     while d != stop and stop in d.parents and d.is_dir() and not any(d.iterdir()):
         d.rmdir()
         d = d.parent

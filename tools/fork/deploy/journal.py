@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tools.fork.core.errors import BadInput, ForkError
+from tools.fork.core.journal import prune_empty_dirs
 from tools.fork.deploy.expected import read, sha256
 
 PLAN = "plan.json"
@@ -141,13 +142,6 @@ def _entries(manifest: dict) -> list[tuple[str, str | None, str | None]]:
         r = manifest["record"]
         out.append((r["path"], r["original_sha256"], r["deployed_sha256"]))
     return out
-
-
-def prune_empty_dirs(d: Path, stop: Path) -> None:
-    """Remove `d` and its parents while empty, up to (not including) `stop`."""
-    while d != stop and stop in d.parents and d.is_dir() and not any(d.iterdir()):
-        d.rmdir()
-        d = d.parent
 
 
 def prune_empty_dirs_below(d: Path) -> None:

@@ -136,8 +136,9 @@ def execute(ctx: Context, phase: str, run: Run, deadline: float) -> RunResult:
     with log.open("w") as f:
         f.write("$ " + " ".join(run.argv) + "\n")
         f.flush()
+        env = {**ctx.env, **run.env}
         proc = subprocess.Popen(
-            run.argv, cwd=ctx.root, env={**ctx.env, **run.env}, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            run.argv, cwd=ctx.root, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C reaches us alone: we end the run and keep the rest
         )  # fmt: skip
         while proc.poll() is None:

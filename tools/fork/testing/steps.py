@@ -24,8 +24,9 @@ TOOLING_TESTS = "tools/fork/tests"
 # fix, as `pytest -k` expressions per file of the fork's tree (a file the fork adds, or an upstream
 # file a patch adds cases to): run against the unpatched base's kernels they must fail, or the CPU
 # ring could no longer catch that regression. The DS conv rows with TEMPORAL_TILES > 1: a kernel
-# without the tile-0 conv guard shifts them once per tile program (the fused kernels' copy-body patch's cases in upstream's
-# test_postprocess_mamba.py). A base whose kernel lacks DS rows or tiles has no such case.
+# without the tile-0 conv guard shifts them once per tile program (the fused kernels' copy-body
+# patch's cases in upstream's test_postprocess_mamba.py). A base whose kernel lacks DS rows or tiles
+# has no such case.
 BASE_MUST_FAIL = {f"{KERNEL_TEST_DIR}/test_postprocess_mamba.py": "shifts_conv_state_in_place and ds and tiles4"}
 
 

@@ -8,17 +8,19 @@ it (`<root>` is the folder holding `vllm_ascend/`, e.g. site-packages):
       new/<path>                             a deploy's new files, staged (gone once committed)
       plan.json                              the journal of a deploy in flight (not committed)
       manifest.json                          the commit point: the deploy is complete
-  <root>/vllm_ascend-fork-deploy.reverting/  B renamed: a revert in flight (finished forward)
-  <root>/vllm_ascend-fork-deploy.trash/      what is left to delete after a rollback or a revert
+      reverting                              a marker: a revert in flight (finished forward)
+      disposing                              a marker: B is being deleted (what is left is garbage)
 
 A deploy writes originals, staged files and plan.json first (the package untouched: a kill here
 leaves B without plan.json, which is deleted), then renames the staged files into the package,
 deletes what the series removes and the stale bytecode, replaces RECORD, and last renames
 plan.json to manifest.json. A kill between the first rename and the commit leaves plan.json: the
 next `deploy --to` or `--revert` rolls the package back from original/ by content hash (each step
-idempotent), then B goes to the trash. A revert renames B to .reverting first, restores the
-originals by renames, removes what the deploy added, then renames .reverting to .trash (its
-commit point): a kill in between is finished forward by the next `--to` or `--revert`.
+idempotent), then B is deleted. A revert marks B `reverting` first, restores the originals by
+renames, removes what the deploy added, then marks B `disposing` (its commit point) and deletes it:
+a kill in between is finished forward by the next `--to` or `--revert`. B's state lives in marker
+files, not in renames of B itself: in a container image B was made in an earlier layer, and
+overlayfs refuses to rename such a folder (EXDEV, "Invalid cross-device link").
 """
 
 from __future__ import annotations
@@ -36,33 +38,28 @@ from tools.fork.deploy.expected import read, sha256
 PLAN = "plan.json"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-REVERTING_SUFFIX = ".reverting"
-TRASH_SUFFIX = ".trash"
+REVERTING = "reverting"
+DISPOSING = "disposing"
 
 
 @dataclass(frozen=True)
 class Dirs:
     backup: Path  # <root>/vllm_ascend-fork-deploy
 
-    @property
-    def reverting(self) -> Path:
-        return self.backup.with_name(self.backup.name + REVERTING_SUFFIX)
-
-    @property
-    def trash(self) -> Path:
-        return self.backup.with_name(self.backup.name + TRASH_SUFFIX)
-
 
 def state(dirs: Dirs) -> str:
     """What a previous run left: "clean", "deployed", "deploying" (killed before its commit point),
     "junk" (a deploy killed before its journal: nothing in the package changed), "reverting" or "trash"."""
-    if dirs.reverting.exists():
+    b = dirs.backup
+    if not b.exists():
+        return "clean"
+    if (b / DISPOSING).exists():
+        return "trash"
+    if (b / REVERTING).exists():
         return "reverting"
-    if dirs.backup.exists():
-        if (dirs.backup / MANIFEST).is_file():
-            return "deployed"
-        return "deploying" if (dirs.backup / PLAN).is_file() else "junk"
-    return "trash" if dirs.trash.exists() else "clean"
+    if (b / MANIFEST).is_file():
+        return "deployed"
+    return "deploying" if (b / PLAN).is_file() else "junk"
 
 
 def interrupted_message(dirs: Dirs, package: Path, st: str) -> str:
@@ -75,7 +72,7 @@ def interrupted_message(dirs: Dirs, package: Path, st: str) -> str:
         "trash": "an interrupted revert or rollback left files to delete",
     }[st]
     return (
-        f"{what} ({quote(str(dirs.backup if st in ('deploying', 'junk') else getattr(dirs, st)))}); "
+        f"{what} ({quote(str(dirs.backup))}); "
         f"`deploy --revert {quote(str(package))}` finishes it (the package as before the deploy), "
         f"`deploy --to {quote(str(package))}` finishes it and deploys"
     )
@@ -188,14 +185,20 @@ def restore_originals(root: Path, holder: Path, manifest: dict) -> None:
         os.replace(saved, path)
 
 
-def dispose(path: Path, trash: Path) -> None:
-    """Delete a folder so that a kill midway leaves a recognisable leftover: rename to `trash`, then rmtree."""
-    if path.exists():
-        if trash.exists():
-            shutil.rmtree(trash)
-        os.replace(path, trash)
-    if trash.exists():
-        shutil.rmtree(trash)
+def mark(backup: Path, marker: str) -> None:
+    """Create an empty marker file in the backup: one step (its existence is the whole message)."""
+    (backup / marker).touch()
+
+
+def dispose(backup: Path) -> None:
+    """Delete the backup so that a kill midway leaves a recognisable leftover: mark it `disposing`,
+    drop its journal files (what is left then reads as garbage, marker or not), then delete it."""
+    if not backup.exists():
+        return
+    mark(backup, DISPOSING)
+    for name in (MANIFEST, PLAN, REVERTING):
+        (backup / name).unlink(missing_ok=True)
+    shutil.rmtree(backup)
 
 
 def recover(dirs: Dirs, root: Path) -> str | None:
@@ -206,17 +209,17 @@ def recover(dirs: Dirs, root: Path) -> str | None:
     if st == "deploying":
         plan = load_manifest(dirs.backup / PLAN)
         restore_originals(root, dirs.backup, plan)
-        dispose(dirs.backup, dirs.trash)
+        dispose(dirs.backup)
         done = "rolled back an interrupted deploy: the package is as it was before it"
     elif st == "junk":
-        dispose(dirs.backup, dirs.trash)
+        dispose(dirs.backup)
         done = "removed what a deploy killed before it changed anything left"
     elif st == "reverting":
-        manifest = load_manifest(dirs.reverting / MANIFEST)
-        restore_originals(root, dirs.reverting, manifest)
-        dispose(dirs.reverting, dirs.trash)
+        manifest = load_manifest(dirs.backup / MANIFEST)
+        restore_originals(root, dirs.backup, manifest)
+        dispose(dirs.backup)
         done = "finished an interrupted revert: the package is as it was before the deploy"
-    if dirs.trash.exists():
-        shutil.rmtree(dirs.trash)
-        done = done or "removed what an interrupted revert or rollback left"
+    elif st == "trash":
+        dispose(dirs.backup)
+        done = "removed what an interrupted revert or rollback left"
     return done

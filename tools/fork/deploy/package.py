@@ -155,7 +155,7 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
         for rel, data in staged.items():
             journal.write_file(target.backup / "new" / rel, data)
     except BaseException as exc:  # e.g. disk full, read-only: the package was not touched
-        journal.dispose(target.backup, dirs.trash)
+        journal.dispose(target.backup)
         if isinstance(exc, OSError):
             raise _unwritable(exc, target) from None
         raise
@@ -246,9 +246,9 @@ def revert_package(target: Target, *, force: bool = False, recovered: bool = Fal
             "restore the originals",
         )
     try:
-        os.replace(target.backup, dirs.reverting)  # the revert's journal: from here it is finished forward
-        journal.restore_originals(target.root, dirs.reverting, manifest)
-        journal.dispose(dirs.reverting, dirs.trash)  # the commit point: renamed to the trash
+        journal.mark(target.backup, journal.REVERTING)  # from here the revert is finished forward
+        journal.restore_originals(target.root, target.backup, manifest)
+        journal.dispose(target.backup)  # the commit point: marked disposing
     except OSError as exc:
         raise _unwritable(exc, target) from None
     return done

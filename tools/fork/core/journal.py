@@ -28,7 +28,8 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def write_file(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and sync it (its folders made as needed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         f.write(data)
@@ -51,9 +52,9 @@ def stage(root: Path, journal: Path, changes: dict[str, bytes | None]) -> int:
         if data is not None and old_bytes == data:
             continue
         if old_bytes is not None:
-            _write_file(journal / "old" / rel, old_bytes)
+            write_file(journal / "old" / rel, old_bytes)
         if data is not None:
-            _write_file(journal / "new" / rel, data)
+            write_file(journal / "new" / rel, data)
         entries[rel] = {
             "new": data is not None,
             "existed": existed,
@@ -63,7 +64,7 @@ def stage(root: Path, journal: Path, changes: dict[str, bytes | None]) -> int:
             "new_sha256": _sha(data) if data is not None else None,
         }
     tmp = journal / (LIST + ".tmp")
-    _write_file(tmp, (json.dumps(entries, indent=1) + "\n").encode())
+    write_file(tmp, (json.dumps(entries, indent=1) + "\n").encode())
     os.replace(tmp, journal / LIST)
     return len(entries)
 

@@ -87,14 +87,6 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def write_file(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def load_manifest(path: Path) -> dict:
     """A deploy's manifest (or plan), checked: BadInput naming what is wrong, never a KeyError."""
     from shlex import quote
@@ -201,25 +193,21 @@ def dispose(backup: Path) -> None:
     shutil.rmtree(backup)
 
 
+_RECOVERED = {
+    "deploying": "rolled back an interrupted deploy: the package is as it was before it",
+    "junk": "removed what a deploy killed before it changed anything left",
+    "reverting": "finished an interrupted revert: the package is as it was before the deploy",
+    "trash": "removed what an interrupted revert or rollback left",
+}
+
+
 def recover(dirs: Dirs, root: Path) -> str | None:
     """Finish what a killed deploy or revert left: roll an uncommitted deploy back, finish a revert,
     delete leftovers. Returns what was done (None: nothing to do, or a committed deploy)."""
     st = state(dirs)
-    done = None
-    if st == "deploying":
-        plan = load_manifest(dirs.backup / PLAN)
-        restore_originals(root, dirs.backup, plan)
+    if st in ("deploying", "reverting"):  # the originals go back: from the plan, or the manifest
+        record = PLAN if st == "deploying" else MANIFEST
+        restore_originals(root, dirs.backup, load_manifest(dirs.backup / record))
+    if st in _RECOVERED:
         dispose(dirs.backup)
-        done = "rolled back an interrupted deploy: the package is as it was before it"
-    elif st == "junk":
-        dispose(dirs.backup)
-        done = "removed what a deploy killed before it changed anything left"
-    elif st == "reverting":
-        manifest = load_manifest(dirs.backup / MANIFEST)
-        restore_originals(root, dirs.backup, manifest)
-        dispose(dirs.backup)
-        done = "finished an interrupted revert: the package is as it was before the deploy"
-    elif st == "trash":
-        dispose(dirs.backup)
-        done = "removed what an interrupted revert or rollback left"
-    return done
+    return _RECOVERED.get(st)

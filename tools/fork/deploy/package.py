@@ -11,6 +11,7 @@ from shlex import quote
 from tools.fork.core import git
 from tools.fork.core.config import ForkConfig
 from tools.fork.core.errors import BadInput, ForkError, LocalEdits
+from tools.fork.core.journal import write_file
 from tools.fork.core.txn import signals_deferred
 from tools.fork.deploy import journal
 from tools.fork.deploy.dist_record import record_hash, record_rows, record_with
@@ -151,9 +152,9 @@ def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path
     try:
         target.backup.mkdir()
         for rel, data in originals.items():
-            journal.write_file(target.backup / "original" / rel, data)
+            write_file(target.backup / "original" / rel, data)
         for rel, data in staged.items():
-            journal.write_file(target.backup / "new" / rel, data)
+            write_file(target.backup / "new" / rel, data)
     except BaseException as exc:  # e.g. disk full, read-only: the package was not touched
         journal.dispose(target.backup)
         if isinstance(exc, OSError):

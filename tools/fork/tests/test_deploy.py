@@ -209,12 +209,12 @@ def test_revert_refuses_edits_made_after_deploy_unless_forced(repo, tmp_path, ca
 def test_failed_write_leaves_package_and_no_backup(repo, tmp_path, capsys, monkeypatch, where):
     """A write that fails while staging (disk full) or halfway through the renames (an I/O error) is
     rolled back: the package as before, no backup, one line and exit 1."""
-    from tools.fork.deploy import journal, package
+    from tools.fork.deploy import package
 
     site = make_site(tmp_path, PIN, UPSTREAM)
     before = snapshot(site)
     calls = []
-    real = journal.write_file if where == "staging" else os.replace
+    real = package.write_file if where == "staging" else os.replace
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -223,7 +223,7 @@ def test_failed_write_leaves_package_and_no_backup(repo, tmp_path, capsys, monke
         return real(*args, **kwargs)
 
     if where == "staging":
-        monkeypatch.setattr(journal, "write_file", failing)
+        monkeypatch.setattr(package, "write_file", failing)
     else:
         monkeypatch.setattr(package.os, "replace", failing)
     code, out = deploy(repo, capsys, "--to", site / "vllm_ascend")

@@ -71,7 +71,7 @@ POSTPROCESS_EXTRA_CONSTS = {
     "TEMPORAL_TILES": 1,
 }
 
-# The V2 precopy kernel (0.27.1rc1 on) shares the fork's Mamba state copy body with postprocess.
+# The V2 precopy kernel (0.27.1rc1 on); the fork's imports postprocess's temporal copy.
 PRECOPY_SIG = {
     "mamba_state_idx_ptr": "*i32",
     "src_col_ptr": "*i32",
@@ -157,7 +157,7 @@ def compile_one(path: str, kernel: str, signature: dict, constexprs: dict, roots
     from tools.kernel_harness import loader
 
     loader.provide_triton_utils()
-    # The kernel's own tree first: its imports of the tree (its shared copy body, vllm_ascend.utils:
+    # The kernel's own tree first: its imports of the tree (postprocess's temporal copy, vllm_ascend.utils:
     # the stub) resolve there.
     own = loader.tree_root(Path(path))
     loader.register_tree(list(dict.fromkeys([*([own] if own else []), *(Path(r).resolve() for r in roots)])))

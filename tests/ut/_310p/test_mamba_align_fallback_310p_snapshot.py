@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 #
 # Copyright (c) 2026 Huawei Technologies Co., Ltd. All Rights Reserved.
 # This file is a part of the vllm-ascend project.
@@ -30,27 +31,26 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
 from vllm_ascend.patch.worker.patch_mamba_utils import _postprocess_mamba_align_gpu_cpu_fallback
 
-
-class _CopyFuncs(tuple):
-    """The copy functions in both shapes releases pass them: a tuple, or a mapping by mamba_type."""
-
-    def __getitem__(self, key):
-        return super().__getitem__(key) if isinstance(key, (int, slice)) else tuple(self)
-
-
-COPY_FUNCS = _CopyFuncs((get_conv_copy_spec, get_temporal_copy_spec))
+COPY_FUNCS = {MambaAttentionBackendEnum.MAMBA2: (get_conv_copy_spec, get_temporal_copy_spec)}
 NUM_STEPS = 200
 LAYERS = ("model.layers.0.linear_attn", "model.layers.1.linear_attn")
-WIDTH, DIM, TEMPORAL = 4, 4, (2, 3)  # conv state (WIDTH, DIM), temporal state TEMPORAL, per block
+# Per block: conv state (WIDTH, DIM) in the token-major layout (the dim-first one is out of scope here),
+# temporal state TEMPORAL.
+WIDTH, DIM, TEMPORAL = 4, 4, (2, 3)
 MAX_BLOCKS = 32  # covers the running-state block + accept-token bias for block_size 2
 
 
 def reference_decisions(reqs, accepted, block_size):
-    """The fused postprocess kernel's rule: per request, (copy or None, accepted-token count after the step)."""
+    """The fused postprocess kernel's rule: per request, (copy or None, accepted-token count after the step).
+
+    It restates the fallback's arithmetic on purpose: what the test checks is which counts feed it
+    (this step's snapshot, not the live rows) and the bytes the decided copies move.
+    """
     out = []
     for (computed, scheduled, draft, state_idx), num_accepted in zip(reqs, accepted):
         running = computed + scheduled - draft
@@ -111,7 +111,7 @@ def stale_rows(true_accepted, rng, max_accepted):
     live = list(true_accepted)
     if kind == "condensed":  # a finished request's row was compacted away: rows moved up by one
         live = live[1:] + [rng.randint(1, max_accepted)]
-    elif kind == "stale":  # last step's counts
+    elif kind == "stale":  # counts that are not this step's
         live = [rng.randint(1, max_accepted) for _ in live]
     else:  # rows handed to new requests start at 1
         live = [1 if rng.random() < 0.5 else a for a in live]
@@ -152,6 +152,12 @@ def run_fallback(block_size, reqs, snapshot, live, block_table, pools):
         block_table=[SimpleNamespace(get_numpy_array=lambda: block_table)],
         num_accepted_tokens_cpu=live,
     )
+    spec = MambaSpec(
+        block_size=block_size,
+        shapes=((WIDTH, DIM), TEMPORAL),
+        dtypes=(torch.float32, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+    )
     out = torch.full((num_reqs + 2,), -7, dtype=torch.int32)  # garbage before the fallback stages it
     _postprocess_mamba_align_gpu_cpu_fallback(
         bufs=SimpleNamespace(postprocess_align=ctx),
@@ -159,15 +165,10 @@ def run_fallback(block_size, reqs, snapshot, live, block_table, pools):
         num_accepted_tokens_gpu=torch.tensor(snapshot + [0, 0], dtype=torch.int32),
         num_accepted_tokens_cpu_tensor=out,
         input_batch=input_batch,
-        kv_cache_config=SimpleNamespace(
-            kv_cache_groups=[
-                SimpleNamespace(
-                    layer_names=list(LAYERS),
-                    kv_cache_spec=MambaSpec(
-                        block_size=block_size, shapes=((WIDTH, DIM), TEMPORAL), dtypes=(torch.float32, torch.float32)
-                    ),
-                )
-            ]
+        kv_cache_config=KVCacheConfig(
+            num_blocks=len(block_table.flat),
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
         ),
         forward_context=pools.forward_context,
         mamba_state_copy_funcs=COPY_FUNCS,

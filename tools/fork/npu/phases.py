@@ -445,7 +445,7 @@ PHASES: list[PhaseSpec] = [
     ),
     PhaseSpec(
         "stress-fused", "race stress of the fused postprocess kernel's in-place conv shift (the base's kernel: "
-        "control)", "benchmarks/stress_fused.py", 180, (POSTPROCESS, PRECOPY),
+        "control)", "benchmarks/stress_fused.py", 180, (POSTPROCESS,),
         _fork_and_base("benchmarks/stress_fused.py", [], [], device_flag=False),
         _judge_by_total("failed", "wrong trials"), on_cpu=False,
     ),

@@ -15,7 +15,8 @@ TRITON_INTERPRET=1) when there is no GPU/NPU, before any kernel is imported;
 kernel module skips the heavy package `__init__`s. The tree is `--kernel-tree`
 or $KERNEL_TREE (several roots joined with os.pathsep; the first wins).
 With `--npu-on-cpu` (interpreter only) it (d) maps the NPU to the CPU for
-upstream's NPU op tests (`npu_cpu.py`).
+upstream's NPU op tests (`npu_cpu.py`). Under the interpreter it (e) scales
+device-sized op tests down: the module constants in INTERPRETER_SIZES.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from __future__ import annotations
 import os
 
 from tools.kernel_harness import loader
+
+
+# The interpreter runs one program after another, about 0.5 ms a copy block: op tests that size a
+# launch for a device's concurrency (thousands of rows shifted in place, to give a race its chances)
+# run with these values of their module constants instead. The race itself shows on a device only.
+INTERPRETER_SIZES = {"NUM_SHIFTED_ROWS": 16, "NUM_LONG_SHIFTS": 4}
 
 
 def pytest_addoption(parser):
@@ -72,3 +79,13 @@ def pytest_report_header(config):
         f"kernel_harness: tree={os.pathsep.join(info['roots'])} triton={triton.__version__} "
         f"mode={mode} vllm.triton_utils={info['triton_utils']}" + (f" npu={info['npu']}" if "npu" in info else "")
     )
+
+
+def pytest_collection_modifyitems(config, items):
+    info = getattr(config, "_kernel_harness_info", None)
+    if not info or not info["interpreter"]:
+        return
+    for module in {item.module for item in items if getattr(item, "module", None) is not None}:
+        for name, value in INTERPRETER_SIZES.items():
+            if isinstance(getattr(module, name, None), int):
+                setattr(module, name, value)

@@ -33,7 +33,9 @@ import torch
 from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from vllm.v1.worker import mamba_utils
 
+from vllm_ascend.patch.worker import patch_mamba_utils
 from vllm_ascend.patch.worker.patch_mamba_utils import _postprocess_mamba_align_gpu_cpu_fallback
 
 COPY_FUNCS = {MambaAttentionBackendEnum.MAMBA2: (get_conv_copy_spec, get_temporal_copy_spec)}
@@ -177,7 +179,16 @@ def run_fallback(block_size, reqs, snapshot, live, block_table, pools):
     return out[:num_reqs].tolist()
 
 
-def test_fallback_follows_the_accepted_token_snapshot_not_the_live_rows():
+def _no_triton(*args, **kwargs):
+    raise AssertionError("the 310P fallback launched the fused Triton kernel")
+
+
+def test_fallback_follows_the_accepted_token_snapshot_not_the_live_rows(monkeypatch):
+    # 310P's path has no Triton: a launch of the fused postprocess kernel fails the test.
+    monkeypatch.setattr(patch_mamba_utils, "postprocess_mamba_fused_kernel", _no_triton)
+    monkeypatch.setattr(mamba_utils, "postprocess_mamba_fused_kernel", _no_triton, raising=False)
+    # The token-major conv layout: vLLM's conv copy spec refuses a shifted dim-first state.
+    monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT", raising=False)
     rng = random.Random(20261130)
     divergent = shifted_in_place = 0
     for step in range(NUM_STEPS):
@@ -201,6 +212,7 @@ def test_fallback_follows_the_accepted_token_snapshot_not_the_live_rows():
         context = f"step {step}: reqs={reqs} snapshot={snapshot} live={live_before.tolist()} bs={block_size}"
         assert counts == [n for _, n in expected], context
         np.testing.assert_array_equal(pools.raw.numpy(), oracle, err_msg=context)
+        # The fallback reads this step's counts from the snapshot only; the live rows are the scheduler's.
         np.testing.assert_array_equal(live, live_before, err_msg="the fallback must not write the live rows")
     # The scenario exercises the bug: on many steps the live rows would lead to other decisions.
     assert divergent >= NUM_STEPS // 4, divergent

@@ -92,7 +92,7 @@ def tree(tmp_path):
     return tmp_path / "tree"
 
 
-def run_pytest(tree: Path, *options: str) -> subprocess.CompletedProcess:
+def run_pytest(tree: Path, *options: str, test: str = "test_on_npu.py") -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -107,7 +107,7 @@ def run_pytest(tree: Path, *options: str) -> subprocess.CompletedProcess:
             f"--kernel-tree={tree}",
             f"--rootdir={tree}",
             *options,
-            str(tree / "tests" / "test_on_npu.py"),
+            str(tree / "tests" / test),
         ],  # fmt: skip
         cwd=ROOT,
         capture_output=True,
@@ -134,3 +134,22 @@ def test_without_the_option_the_npu_is_not_there(tree):
     # torch has no `npu` here: the module-level guard itself fails at collection
     assert proc.returncode != 0
     assert "has no attribute 'npu'" in proc.stdout, proc.stdout[-3000:]
+
+
+# An op test sized for a device's concurrency, as upstream's shift tests are.
+SIZED_TEST = """\
+NUM_SHIFTED_ROWS = 2048
+NUM_LONG_SHIFTS = 256
+NUM_OTHER = 7
+
+
+def test_sizes():
+    assert (NUM_SHIFTED_ROWS, NUM_LONG_SHIFTS, NUM_OTHER) == (16, 4, 7)
+"""
+
+
+def test_the_interpreter_runs_device_sized_tests_at_its_own_sizes(tree):
+    (tree / "tests" / "test_sized.py").write_text(SIZED_TEST)
+    proc = run_pytest(tree, "--npu-on-cpu", test="test_sized.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout

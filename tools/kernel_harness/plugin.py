@@ -25,7 +25,6 @@ import os
 
 from tools.kernel_harness import loader
 
-
 # The interpreter runs one program after another, about 0.5 ms a copy block: op tests that size a
 # launch for a device's concurrency (thousands of rows shifted in place, to give a race its chances)
 # run with these values of their module constants instead. The race itself shows on a device only.

@@ -31,7 +31,15 @@ from tools.fork.core.errors import EXIT_FAILED, EXIT_OK, BadInput, ForkError
 from tools.fork.deploy import journal
 from tools.fork.deploy.checkout import deploy_checkout, recover_checkout, revert_checkout
 from tools.fork.deploy.expected import PACKAGE, expected
-from tools.fork.deploy.package import Row, deploy_package, record_problems, recover, revert_package, verify_rows
+from tools.fork.deploy.package import (
+    Row,
+    deploy_package,
+    package_changes,
+    record_problems,
+    recover,
+    revert_package,
+    verify_rows,
+)
 from tools.fork.deploy.target import (
     CHECKOUT_STATE,
     Target,
@@ -82,6 +90,8 @@ def print_table(rows: list[Row]) -> None:
 def verify(cfg: ForkConfig, target: Target, version: str, *, sdist: Path | None = None) -> bool:
     scope = PACKAGE if target.kind == "package" else None
     exp = expected(cfg, version, sdist=sdist, scope=scope)
+    if target.kind == "package":
+        exp = package_changes(target, exp)
     rows = verify_rows(target, exp)
     where = f"{len(rows)} file(s) the series touches" + (f" under {PACKAGE}/" if scope else "")
     print(f"fork deploy --verify: {target.root if target.kind == 'checkout' else target.package}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
@@ -50,6 +51,14 @@ def _describe(have: bytes | None, ch: Change) -> str:
     return "differs from upstream"
 
 
+def package_changes(target: Target, exp: Expected) -> Expected:
+    """The series' changes an installed package takes. A release's wheel leaves out some files of its
+    source tree (the op docs, `*.md`): a change to a file that is neither Python nor installed here
+    stays in the source tree and in the wheel the fork builds."""
+    keep = [ch for ch in exp.changes if ch.path.endswith(".py") or target.file(ch.path).exists()]
+    return dataclasses.replace(exp, changes=keep)
+
+
 def _apply_in_staging(target: Target, exp: Expected) -> dict[str, bytes | None]:
     """Run `git apply` for every patch's vllm_ascend/ hunks on copies of the touched files."""
     with tempfile.TemporaryDirectory(prefix="fork-deploy-") as tmp:
@@ -61,7 +70,7 @@ def _apply_in_staging(target: Target, exp: Expected) -> dict[str, bytes | None]:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_bytes(target.file(ch.path).read_bytes())
         env = {"GIT_CEILING_DIRECTORIES": tmp}  # never let git find a repository above the stage
-        args = ["apply", "-p1", f"--include={PACKAGE}/*", "--whitespace=nowarn"]
+        args = ["apply", "-p1", *(f"--include={ch.path}" for ch in exp.changes), "--whitespace=nowarn"]
         for patch in exp.patches:
             path = str(patch.path.resolve())
             proc = git.run([*args, "--check", path], stage, check=False, env=env)
@@ -83,7 +92,7 @@ def _apply_in_staging(target: Target, exp: Expected) -> dict[str, bytes | None]:
 
 def deploy_package(cfg: ForkConfig, target: Target, version: str, *, sdist: Path | None = None) -> list[str]:
     refuse_if_deployed(target)
-    exp = expected(cfg, version, sdist=sdist)
+    exp = package_changes(target, expected(cfg, version, sdist=sdist))
     if not any(ch.status != "=" for ch in exp.changes):
         raise BadInput(f"the series changes nothing under {PACKAGE}/ on vllm-ascend {version}: nothing to deploy")
     states = _states(target, exp)

@@ -257,3 +257,26 @@ def test_deploy_check_work_that_is_a_file_is_refused_and_left_byte_identical(rep
         f"--work {victim}: it exists and is not a directory; nothing was written (give a new or existing directory)"
     ]
     assert victim.read_bytes() == b"not a folder\n"
+
+
+def test_an_installed_package_takes_the_changes_to_what_its_wheel_installs(tmp_path):
+    """A release's wheel leaves out its op docs: a patch's change to one is not deployed (nor verified)
+    into site-packages; Python files are, present or not, and so is installed package data."""
+    from tools.fork.deploy.expected import Change, Expected
+    from tools.fork.deploy.package import package_changes
+    from tools.fork.deploy.target import Target
+
+    write_tree(tmp_path, {"vllm_ascend/ops/copy.py": "old\n", "vllm_ascend/ops/table.json": "{}\n"})
+    changes = [
+        Change("vllm_ascend/ops/copy.py", b"old\n", b"new\n"),
+        Change("vllm_ascend/ops/docs/copy.md", b"# copy\n", b"# copy, overlap-safe\n"),
+        Change("vllm_ascend/ops/table.json", b"{}\n", b'{"a": 1}\n'),
+        Change("vllm_ascend/worker/added.py", None, b"X = 1\n"),
+    ]
+    exp = Expected("9.9.9", tmp_path / "tree", [], changes)
+    kept = package_changes(Target("package", tmp_path), exp).changes
+    assert [ch.path for ch in kept] == [
+        "vllm_ascend/ops/copy.py",
+        "vllm_ascend/ops/table.json",
+        "vllm_ascend/worker/added.py",
+    ]

@@ -1,4 +1,6 @@
-"""README's series table is the series: one row per patch the pin applies, in `patches/series` order.
+"""README's series table is the series: one row per patch of `patches/series`, in its order (a patch
+the pin does not apply, which older bases carry, is listed by its subject there: a rebase onto a
+release without the code a patch fixes keeps the table as it is).
 
 The table sits under README's `## The series` heading, as `| # | title | upstream? |`: the title is
 the patch's subject exactly (its upstream PR title, `[Module][Action] Title`), and `upstream?` is
@@ -24,14 +26,18 @@ HEADING = "## The series"
 
 
 def series_rows(repo: Path) -> list[tuple[str, str, str]]:
-    """(#, title, upstream?) of each patch the pin applies, from patches/series, the patches and fork.toml."""
+    """(#, title, upstream?) of each patch of patches/series, from the patches (a base's variant where the
+    pin has none) and fork.toml."""
     fork_toml = tomllib.loads((repo / "fork.toml").read_text())
     fork_only = {name for name, entry in fork_toml.get("patches", {}).items() if entry.get("fork_only")}
     rows = []
     for line in (repo / "patches" / "series").read_text().splitlines():
         name = line.split("#", 1)[0].strip()
-        patch = repo / "patches" / name
-        if not name or not patch.is_file():  # a name only older bases carry (patches/bases/<v>/) is not the pin's
+        if not name:
+            continue
+        versions = [repo / "patches" / name, *sorted((repo / "patches" / "bases").glob(f"*/{name}"))]
+        patch = next((v for v in versions if v.is_file() and v.read_bytes().strip()), None)
+        if patch is None:
             continue
         subject = email.message_from_bytes(patch.read_bytes(), policy=email.policy.default)["Subject"]
         rows.append((str(len(rows) + 1), str(subject), "fork-only" if name in fork_only else "yes"))

@@ -1,6 +1,7 @@
-"""README's series table is the series: one row per patch of `patches/series`, in its order (a patch
-the pin does not apply, which older bases carry, is listed by its subject there: a rebase onto a
-release without the code a patch fixes keeps the table as it is).
+"""README's series table is the series: one row per patch of `patches/series`, in its order.
+
+A patch the pin does not apply, which older bases carry, is listed by its subject there: a rebase
+onto a release without the code a patch fixes keeps the table as it is.
 
 The table sits under README's `## The series` heading, as `| # | title | upstream? |`: the title is
 the patch's subject exactly (its upstream PR title, `[Module][Action] Title`), and `upstream?` is

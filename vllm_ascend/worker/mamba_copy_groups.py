@@ -65,7 +65,6 @@ class Plan:  # how one step's moves are copied (once a step)
     direct: dict | None = None  # Shape: (unstaged, staged) Ranges
     indexed: dict | None = None  # Shape: RowIndex
     buffer: torch.Tensor | None = None
-    chunks: dict = field(default_factory=dict)  # Shape: _chunks
 
 
 @dataclass
@@ -315,27 +314,25 @@ def _copy_direct(plan: Plan, targets: list[Place]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
-def _chunks(buffer: torch.Tensor, index: torch.Tensor, width: int) -> list:
-    """(source rows, destination rows, buffer view) of each chunk."""
+def _chunks(buffer: torch.Tensor, index: torch.Tensor, width: int):
+    """(source rows, destination rows, buffer view) of each chunk,
+    made as they are copied: the first copy starts at once."""
     step = max(1, buffer.numel() // width)
     full = buffer[: step * width].view(step, width)
-    pairs = zip(index[0].split(step), index[1].split(step)) if index.numel() else ()
-    return [(src, dst, full if len(src) == step else full[: len(src)]) for src, dst in pairs]
+    for first in range(0, index.shape[1], step):
+        src, dst = index[:, first : first + step]
+        yield src, dst, full[: len(src)]
 
 
 def _copy_indexed(plan: Plan, targets: list[Place]) -> None:
     """Gather the targets' rows into the buffer and scatter them."""
     for family, layer, group in targets:
         rows, data = plan.indexed[family.shape], family.by_row
-        if layer is None:  # the whole step: chunks shared by a shape
-            chunks = plan.chunks.get(family.shape)
-            if chunks is None:
-                chunks = _chunks(plan.buffer, rows.index, data.shape[1])
-                plan.chunks[family.shape] = chunks
-        else:  # one layer's rows of one group
+        index = rows.index
+        if layer is not None:  # one layer's rows of one group
             first, end = (layer * rows.layer_rows + i for i in rows.groups[group])
-            chunks = _chunks(plan.buffer, rows.index[:, first:end], data.shape[1])
-        for src, dst, out in chunks:
+            index = index[:, first:end]
+        for src, dst, out in _chunks(plan.buffer, index, data.shape[1]):
             torch.index_select(data, 0, src, out=out)
             data.index_copy_(0, dst, out)
 

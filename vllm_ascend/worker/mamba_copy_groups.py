@@ -23,7 +23,10 @@ shifts go to lower rows, so no chunk reads what an earlier one wrote.
 Memory: staging, gather buffer and row indices stay under
 ``GATHER_BYTES``, with one exception: row indices over half the cap
 are kept whole and the buffer gets half the cap (or one row), so the
-total is the indices plus half the cap (docs/copy-groups.md).
+total is the indices plus half the cap.
+A new state kind: ``_kind`` names it, ``_rows`` gives its byte ranges
+and ``_copy_pair_by_pair`` its tensor pair (``Move`` if it reads a
+block no field names yet).
 """
 
 import math
@@ -53,8 +56,9 @@ Shape = namedtuple("Shape", "row_bytes states layers layer_rows groups")
 Family = namedtuple("Family", "shape by_row by_layer")
 Place = namedtuple("Place", "family layer group")  # None: all of them
 Ranges = namedtuple("Ranges", "src dst length group")  # rows or elements
-# index: (2, layers x rows) source, destination; groups: {g: (first, end)}
-RowIndex = namedtuple("RowIndex", "index layer_rows groups")
+# index: (2, layers x rows) source, destination rows, layer by layer;
+# per_layer: a layer's columns; groups: {g: (first, end)} in a layer's
+RowIndex = namedtuple("RowIndex", "index per_layer groups")
 
 
 @dataclass
@@ -167,8 +171,9 @@ def record(copy_bufs, mamba_layers, mamba_group_ids, src_block_idx, dest_block_i
     if not getattr(copy_bufs, "_mamba_copy_requests", None):  # a new step
         copies.layers = [Layer(*layer) for layer in mamba_layers()]
         copy_bufs._mamba_copy_requests = []
+        copies.plan = None  # a layerwise step left unfinished
         pairs = [(s, f) for layer in copies.layers for s, f in zip(layer.states, layer.funcs)]
-        signature = [(s.data_ptr(), s.shape, f) for s, f in pairs]
+        signature = [(s.data_ptr(), s.shape, s.stride(), s.dtype, f) for s, f in pairs]
         if signature != copies.signature:  # new KV-cache tensors
             copies.signature, copies.families = signature, None
             if all(_kind(f, s) for s, f in pairs):
@@ -254,7 +259,8 @@ def _row_index(rows: Ranges, shape: Shape, device) -> RowIndex:
 
 
 def _is_small_step(ranges: int, families: int) -> bool:
-    """DIRECT_PAIRS_PER_FAMILY ranges a family, and twice more a step."""
+    """At most DIRECT_PAIRS_PER_FAMILY ranges per family, plus twice
+    that per step."""
     return ranges <= DIRECT_PAIRS_PER_FAMILY * (families + 2)
 
 
@@ -281,11 +287,11 @@ def _plan(moves: list[Move], copies: GroupedCopies) -> Plan:
     plan.indexed = {s: _row_index(r, s, data.device) for s, r in rows.items()}
     # the indices count in the cap: the buffer takes what they leave,
     # or half the cap when they leave less (the docstring's exception)
-    counted = [(s.layers + 1) * i.layer_rows for s, i in plan.indexed.items()]
+    counted = [(s.layers + 1) * i.per_layer for s, i in plan.indexed.items()]
     budget = max(GATHER_BYTES - INDEX_BYTES * sum(counted), GATHER_BYTES // 2)
     sizes = []
     for shape, index in plan.indexed.items():
-        fit = min(shape.layers * index.layer_rows, budget // shape.row_bytes)
+        fit = min(shape.layers * index.per_layer, budget // shape.row_bytes)
         sizes.append(max(1, fit) * shape.row_bytes)  # rows, one at least
     elements = max(sizes) // unit
     plan.buffer = torch.empty(elements, dtype=data.dtype, device=data.device)
@@ -316,7 +322,8 @@ def _copy_direct(plan: Plan, targets: list[Place]) -> None:
 
 def _chunks(buffer: torch.Tensor, index: torch.Tensor, width: int):
     """(source rows, destination rows, buffer view) of each chunk,
-    made as they are copied: the first copy starts at once."""
+    made as they are copied: the first copy starts at once. A new
+    generator for each target: a used one is empty."""
     step = max(1, buffer.numel() // width)
     full = buffer[: step * width].view(step, width)
     for first in range(0, index.shape[1], step):
@@ -330,7 +337,7 @@ def _copy_indexed(plan: Plan, targets: list[Place]) -> None:
         rows, data = plan.indexed[family.shape], family.by_row
         index = rows.index
         if layer is not None:  # one layer's rows of one group
-            first, end = (layer * rows.layer_rows + i for i in rows.groups[group])
+            first, end = (layer * rows.per_layer + i for i in rows.groups[group])
             index = index[:, first:end]
         for src, dst, out in _chunks(plan.buffer, index, data.shape[1]):
             torch.index_select(data, 0, src, out=out)
@@ -366,6 +373,5 @@ def copy(copy_bufs, layer_name: str | None = None) -> bool:
     plan.pending.discard(layer_name)
     if layer_name is None or not plan.pending:
         copies.plan = None  # the step is done: its temporaries go
-    if layer_name is None:
         copy_bufs._mamba_copy_requests = []
     return True

@@ -361,3 +361,32 @@ def test_a_negative_shift_raises_instead_of_mixing_a_step():
     second = SimpleNamespace(block_ids=[[4, 5, 6]])
     with pytest.raises(ValueError, match="negative shift"):
         mamba_copy_groups.record(model.bufs, lambda: model.layers, [0], 1, 2, -1, second)
+
+
+def test_kv_cache_re_strided_at_the_same_addresses_is_found_again():
+    """A step after the KV cache is viewed anew (same first bytes and shapes, another block stride)
+    copies by the new layout."""
+    model = Model("raw")
+    assert_equal(model, model.run([([[1, 2, 3]], 0, 2, 1)], layerwise=False))
+    for i, (name, group, states, funcs) in enumerate(model.layers):
+        # pages without their padding: each state at the same address, blocks closer together
+        page = sum(s[0].numel() * s.element_size() for s in states)
+        restrided = [s.as_strided(s.shape, (page // s.element_size(), *s.stride()[1:])) for s in states]
+        model.layers[i] = (name, group, restrided, funcs)
+    assert_equal(model, model.run([([[4, 5, 6]], 0, 2, 1)], layerwise=False))
+
+
+def test_an_unfinished_layerwise_step_frees_its_temporaries_at_the_next_step():
+    """A layerwise step whose last layers are never copied keeps its plan only until the next step."""
+    model = Model(WIDE["raw"], num_blocks=16, pad=0)
+    kept = {s.untyped_storage().data_ptr() for s in model.storages}
+    with Temporaries(torch.device(DEVICE).type, kept) as temporaries:
+        for b in range(8):
+            req = SimpleNamespace(block_ids=[[b, b + 8, b + 8]])
+            assert mamba_copy_groups.record(model.bufs, lambda: model.layers, [0], 0, 1, 1, req)
+        mamba_copy_groups.copy(model.bufs, model.layers[0][0])  # the other layers never come
+        assert temporaries.bytes() > 0
+        model.bufs._mamba_copy_requests = []  # what the next step's reset does
+        req = SimpleNamespace(block_ids=[[1, 2, 3]])
+        assert mamba_copy_groups.record(model.bufs, lambda: model.layers, [0], 0, 2, 1, req)
+        assert temporaries.bytes() == 0

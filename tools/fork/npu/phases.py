@@ -468,6 +468,13 @@ PHASES: list[PhaseSpec] = [
         default=False,
     ),
     PhaseSpec(
+        "plan-time", "where a grouped copy's host time goes, piece by piece", "benchmarks/plan_time.py", 120,
+        (GROUPS,),
+        lambda ctx: [_script_run(ctx, "plan-time", "benchmarks/plan_time.py", "fork", [
+            "--tree", ctx.plan.fork_tree, "--device", ctx.device, *(["--smoke"] if ctx.smoke else [])])],
+        _exit_zero, default=False,
+    ),
+    PhaseSpec(
         "trace", "align-mode trace stress of the copy backends", "benchmarks/align_trace_stress.py", 360,
         (MEMMOVE, GROUPS),
         lambda ctx: [_script_run(ctx, "trace", "benchmarks/align_trace_stress.py", "fork", [

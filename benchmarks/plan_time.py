@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common  # noqa: E402
 from benchmarks.copy_paths import CONV_DIM, CONV_ROWS, LAYERS, TEMPORAL_SHAPE, Batch  # noqa: E402
 
+WARMUP_STEPS = 5
 # The module's functions a step calls (the plan's pieces, then the copies).
 PIECES = ("_plan", "_interacting", "_rows", "_direct", "_row_index", "_copy_direct", "_copy_indexed")
 
@@ -48,29 +49,37 @@ def measure(torch, device, module, specs, seconds, requests, layout, reps, smoke
     shapes = (3, 256, (4, 16, 16)) if smoke else (CONV_ROWS, CONV_DIM, TEMPORAL_SHAPE)
     batch = Batch(torch, device, requests, LAYERS, *shapes, layout=layout)
     step = batch.grouped_step(module, specs)
-    events = getattr(torch, device, None) if device != "cpu" else None
-    step_ms, host_ms = [], []
-    for rep in range(reps + 5):  # 5 warm-up steps
-        common.synchronize(device)
-        if rep == 5:
-            seconds.clear()
-        start = events and events.Event(enable_timing=True)
-        end = events and events.Event(enable_timing=True)
-        start and start.record()
-        t0 = time.perf_counter()
+    for _ in range(WARMUP_STEPS):
         step()
-        host_ms.append((time.perf_counter() - t0) * 1e3)
-        end and end.record()
-        common.synchronize(device)
-        step_ms.append(start.elapsed_time(end) if events else host_ms[-1])
+    common.synchronize(device)
+    seconds.clear()
+    step_ms, host_ms = [], []
+    for _ in range(reps):
+        step_ms.append(timed_step(torch, device, step, host_ms))
     pieces = {name: statistics.median(seconds[name]) * 1e3 for name in PIECES if seconds[name]}
     return {
         "layout": layout,
         "requests": requests,
-        "step_ms": statistics.median(step_ms[5:]),
-        "host_ms": statistics.median(host_ms[5:]),
+        "step_ms": statistics.median(step_ms),
+        "host_ms": statistics.median(host_ms),
         "pieces_ms": pieces,
     }
+
+
+def timed_step(torch, device, step, host_ms: list) -> float:
+    """Device ms of one step from an idle device (events; the host's ms on the CPU)."""
+    events = None if device == "cpu" else getattr(torch, device)
+    if events:
+        start, end = events.Event(enable_timing=True), events.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    step()
+    host_ms.append((time.perf_counter() - t0) * 1e3)
+    if not events:
+        return host_ms[-1]
+    end.record()
+    common.synchronize(device)
+    return start.elapsed_time(end)
 
 
 def main(argv=None):

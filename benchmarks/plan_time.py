@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.copy_paths import CONV_DIM, CONV_ROWS, LAYERS, TEMPORAL_SHAPE, Batch  # noqa: E402
+from benchmarks.copy_paths import CONV_DIM, CONV_ROWS, LAYERS, TEMPORAL_SHAPE, Batch, time_batch  # noqa: E402
 
 WARMUP_STEPS = 5
 # The module's functions a step calls (the plan's pieces, then the copies).
@@ -51,35 +51,17 @@ def measure(torch, device, module, specs, seconds, requests, layout, reps, smoke
     step = batch.grouped_step(module, specs)
     for _ in range(WARMUP_STEPS):
         step()
-    common.synchronize(device)
     seconds.clear()
-    step_ms, host_ms = [], []
-    for _ in range(reps):
-        step_ms.append(timed_step(torch, device, step, host_ms))
+    host_ms = []
+    step_ms, _ = time_batch(torch, device, lambda _: step(), None, reps, 0, host_ms)
     pieces = {name: statistics.median(seconds[name]) * 1e3 for name in PIECES if seconds[name]}
     return {
         "layout": layout,
         "requests": requests,
-        "step_ms": statistics.median(step_ms),
+        "step_ms": step_ms,
         "host_ms": statistics.median(host_ms),
         "pieces_ms": pieces,
     }
-
-
-def timed_step(torch, device, step, host_ms: list) -> float:
-    """Device ms of one step from an idle device (events; the host's ms on the CPU)."""
-    events = None if device == "cpu" else getattr(torch, device)
-    if events:
-        start, end = events.Event(enable_timing=True), events.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
-    step()
-    host_ms.append((time.perf_counter() - t0) * 1e3)
-    if not events:
-        return host_ms[-1]
-    end.record()
-    common.synchronize(device)
-    return start.elapsed_time(end)
 
 
 def main(argv=None):

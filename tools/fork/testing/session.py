@@ -31,7 +31,7 @@ from tools.fork.testing.results import (
     print_side_by_side,
     verdict,
 )
-from tools.fork.testing.steps import KERNEL_TEST_DIR, deploy_step, kernel_steps, tooling_step
+from tools.fork.testing.steps import KERNEL_TEST_DIR, copy_audit_step, deploy_step, kernel_steps, tooling_step
 from tools.fork.testing.suite import (
     UT_DIR,
     base_cache_path,
@@ -180,6 +180,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
 
     steps = kernel_steps(cfg, tenv, fork_tree, added, base_tree, version=version)
     steps.append(e2e_step(added))
+    steps.append(copy_audit_step(cfg, tenv, base_tree, version))
     # g. the tooling's own tests (they do not depend on the base: `make test` runs them once)
     steps.append(tooling_step(cfg, tenv, args.no_tooling_tests))
     # h. deploy into a pip-installed (non-editable) vllm-ascend, test it there, verify, revert

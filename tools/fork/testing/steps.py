@@ -19,6 +19,8 @@ KERNEL_TEST_DIR = "tests/e2e/nightly/single_node/ops/singlecard_ops/triton"
 KERNEL_HARNESS = "tools/kernel_harness"
 ASCEND_COMPILE = "tools/kernel_harness/ascend_compile.py"
 TOOLING_TESTS = "tools/fork/tests"
+# What the unpatched release sends its copy paths, driven by vLLM's real scheduler (docs/root-cause.md).
+COPY_AUDIT_TESTS = ["benchmarks/test_copy_audit.py"]
 
 # Kernel op tests that fail deterministically under the interpreter on a kernel without the series'
 # fix, as `pytest -k` expressions per file of the fork's tree (a file the fork adds, or an upstream
@@ -167,6 +169,19 @@ def kernel_steps(
     # f. triton-ascend front-end compile check
     steps.append(run_step("triton-ascend compile check", *ascend_compile_command(tenv, cfg.root, fork_tree), None))
     return steps
+
+
+def copy_audit_step(cfg, tenv: testenv.TestEnv, base_tree: Path, version: str) -> Step:
+    """The copy audit's small run on the unpatched base, in the base's own test environment."""
+    junit = results_dir(cfg, version) / "copy-audit.xml"
+    junit.unlink(missing_ok=True)
+    files = [f for f in COPY_AUDIT_TESTS if (cfg.root / f).is_file()]
+    argv = [
+        str(tenv.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", JUNIT_FAMILY,
+        f"--junitxml={junit}", *files,
+    ]  # fmt: skip
+    env = tenv.env({"COPY_AUDIT_TREE": str(base_tree), "HF_HUB_OFFLINE": "1"})
+    return run_step("copy audit of the base", argv, env, cfg.root, junit, allow_skips=False)
 
 
 def tooling_step(cfg, tenv: testenv.TestEnv, skip: bool) -> Step:

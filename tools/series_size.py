@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGETS = {"batched-memmove": 300, "Group-Mamba-state-tensor-copies": 400}  # added lines outside tests/
+BUDGETS = {"batched-memmove": 300, "Group-Mamba-state-tensor-copies": 430}  # added lines outside tests/
 SERIES_BUDGET = 880
 
 

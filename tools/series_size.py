@@ -6,7 +6,8 @@ and no two files under patches/ that carry the same change.
 Counted with `git apply --numstat` on each file of `patches/series` (the pin's series). A patch's
 budget is matched by a part of its file name (patch file names come from their subjects).
 Two patch files are duplicates when they are equal without their mail headers and `index` lines:
-a per-base variant stores only what differs on its base.
+a per-base variant stores only what differs on its base (skip markers, variants with no diff, are
+left out).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGETS = {"batched-memmove": 300, "Group-Mamba-state-tensor-copies": 400}  # added lines outside tests/
+BUDGETS = {"batched-memmove": 300, "Group-Mamba-state-tensor-copies": 430}  # added lines outside tests/
 SERIES_BUDGET = 880
 
 
@@ -35,6 +36,8 @@ def duplicates() -> list[str]:
     out = []
     for path in sorted((ROOT / "patches").rglob("*.patch")):
         data = path.read_bytes()
+        if b"\ndiff --git " not in data:
+            continue  # a skip marker (patches/bases/<version>/): it carries no change
         body = data[data.find(b"\ndiff --git ") :].splitlines()
         key = b"\n".join(line for line in body if not line.startswith(b"index "))
         if key in seen and data.strip():

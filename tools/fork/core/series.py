@@ -117,6 +117,14 @@ def patch_id(diff: bytes) -> str:
     return proc.stdout.decode().split(" ", 1)[0].strip()
 
 
+def skip_reason(data: bytes) -> str | None:
+    """None for a patch; for a skip marker (a per-base variant with no diff) why its base skips the
+    patch: the marker's text, or "already upstream there" for an empty one."""
+    if re.search(rb"^diff --git ", data, re.M):
+        return None
+    return " ".join(data.decode(errors="replace").split()) or "already upstream there"
+
+
 def read_names(cfg: ForkConfig) -> list[str]:
     """Patch names from `patches/series` (quilt format: one name a line, `#` comments)."""
     if not cfg.series_file.exists():
@@ -134,7 +142,8 @@ def resolve(cfg: ForkConfig, version: str | None = None) -> list[tuple[str, Path
     when None), or None where the patch is not applied on that base.
 
     Per-base variants (`patches/bases/<version>/<name>`, written by `rebase`) replace the pin's
-    patch on their base. An EMPTY variant means "already upstream on this base: skip it". A name
+    patch on their base. A variant with no diff is a skip marker: the base skips the patch (empty:
+    already upstream there; else its text says why, e.g. the code the patch fixes is absent). A name
     with no file under `patches/` but variants under `patches/bases/` is a patch the pin no longer
     needs (already upstream there) that older bases still carry: only bases with a variant apply it.
     """
@@ -147,7 +156,7 @@ def resolve(cfg: ForkConfig, version: str | None = None) -> list[tuple[str, Path
         main = cfg.patches_dir / name
         variant = variants / name if variants is not None else None
         if variant is not None and variant.is_file():
-            out.append((name, variant if variant.read_bytes().strip() else None))
+            out.append((name, variant if skip_reason(variant.read_bytes()) is None else None))
         elif main.is_file():
             out.append((name, main))
         elif any((d / name).is_file() for d in _variant_dirs(cfg)):

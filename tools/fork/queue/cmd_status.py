@@ -26,7 +26,7 @@ def run(args, cfg) -> int:
         if b.version == cfg.pin.version:
             continue
         own = [
-            f"{name} ({'skipped: already upstream there' if path is None else 'own variant'})"
+            f"{name} ({_skipped(cfg, b.version, name) if path is None else 'own variant'})"
             for name, path in series.resolve(cfg, b.version)
             if path is None or path.parent != cfg.patches_dir
         ]
@@ -54,6 +54,12 @@ def run(args, cfg) -> int:
     print(f"version  {version}")
     print(f"wheel    {wheels[-1].relative_to(cfg.root) if wheels else 'not built (run build)'}")
     return 0
+
+
+def _skipped(cfg, version: str, name: str) -> str:
+    """Why base `version` skips patch `name`: its skip marker's text, or a patch the pin no longer needs."""
+    marker = cfg.variants_dir(version) / name
+    return f"skipped: {series.skip_reason(marker.read_bytes()) if marker.is_file() else 'already upstream there'}"
 
 
 def _rebase_lines(cfg, work) -> list[str]:

@@ -278,7 +278,7 @@ def alternatives(cfg: ForkConfig, st: State, name: str) -> list[Path]:
     kept = [*sorted(cfg.patches_dir.glob(f"bases/*/{name}")), *sorted(cfg.patches_dir.glob(f"alternatives/{name}"))]
     for path in [cfg.patches_dir / name, *kept]:
         rel = path.relative_to(cfg.root).as_posix()
-        if not path.is_file() or not path.read_bytes().strip() or rel in tried:
+        if not path.is_file() or series.skip_reason(path.read_bytes()) is not None or rel in tried:
             continue
         pid = series.patch_id(path.read_bytes())
         if pid in seen:

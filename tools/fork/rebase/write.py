@@ -190,7 +190,8 @@ def _after_write(cfg: ForkConfig, work: Path, st: State) -> None:
           f"bases: {', '.join(b.version for b in new_cfg.bases)}")  # fmt: skip
     variants = sorted(p.relative_to(cfg.root).as_posix() for p in new_cfg.patches_dir.glob("bases/*/*.patch"))
     for v in variants:
-        kind = "skip marker (already upstream there)" if not (cfg.root / v).read_bytes().strip() else "variant"
+        reason = series.skip_reason((cfg.root / v).read_bytes())
+        kind = "variant" if reason is None else f"skip marker ({reason})"
         print(f"fork rebase: {v}: {kind}")
     if st.first_use:
         loud(f"fork.toml now pins vllm-ascend {st.onto} with sha256 {st.onto_sha256} (trusted on first use).")

@@ -269,3 +269,19 @@ def test_a_base_may_give_a_file_the_fork_adds_its_own_bytes_in_its_own_version_o
     shared.write_text(shared.read_text() + "# the overlay changed, the patch did not\n")
     r = fork.cli("check", "--all-bases")
     assert r.rc == EXIT_FAILED and f"{SNAPSHOT_TEST}: overlay differs" in r.out
+
+
+def test_a_skip_marker_may_say_why_its_base_skips_the_patch(tmp_path, monkeypatch):
+    """A variant with no diff skips the patch on its base; its text is the reason, which status prints."""
+    fork = make(tmp_path, monkeypatch, edited(UPSTREAM, SERIES[1][1]))  # 1.1 lacks what patch 2 changes
+    marker = fork.root / "patches" / "bases" / B / fork.names[1]
+    r = fork.cli("check", "--all-bases")
+    assert r.rc == EXIT_FAILED and f"[{B}] patch {fork.names[1]} does not apply" in r.out
+    marker.parent.mkdir(parents=True)
+    marker.write_text(f"not applicable: {B} has no such code\nto change\n")
+    cfg = config.load(fork.root)
+    assert [p.name for p in series.read(cfg, B)] == [fork.names[0], fork.names[2]]
+    fork.ok("check", "--all-bases")
+    assert f"{fork.names[1]} (skipped: not applicable: {B} has no such code to change)" in fork.ok("status").out
+    marker.write_text("")  # an empty marker: the release has the change already
+    assert f"{fork.names[1]} (skipped: already upstream there)" in fork.ok("status").out

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tools.fork.testing import venvs
-from tools.fork.testing.base_recipe import TORCH  # the local CPU wheel where pip finds one, else the registry's
+from tools.fork.testing.base_recipe import TORCH  # the local CPU wheel where uv finds one, else the registry's
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = {
@@ -29,7 +29,7 @@ SPECS = {
 # triton goes, and triton-ascend's files are laid again; with the CPU torch both steps change nothing.
 THEN = {
     "ascend": (
-        ("uninstall", "-y", "triton"),
+        ("uninstall", "triton"),
         ("install", "-q", "--no-deps", "--force-reinstall", "triton-ascend==3.2.0"),
     ),
 }

@@ -8,9 +8,9 @@ the building is venvs.py's):
                 Python (VLLM_TARGET_DEVICE=empty) with its build tools (setuptools-rust included).
   requirements  the base's own requirements.txt minus the NPU/CUDA-only and build-only entries
                 (transformers and every other pin as the base writes it).
-  torch         TORCH as pip finds it: a local CPU wheel when PIP_FIND_LINKS (or pip.conf's find-links)
-                names a folder holding one, else the registry's CUDA build with its nvidia-* libraries
-                (it runs on the CPU all the same; the build log says which). The base's own torch pin
+  torch         TORCH as uv finds it: a local CPU wheel when PIP_FIND_LINKS (or UV_FIND_LINKS) names a
+                folder holding one, else the registry's CUDA build with its nvidia-* libraries (it
+                runs on the CPU all the same; the build log says which). The base's own torch pin
                 is for torch-npu and is reported when it differs.
   test deps     pytest<9 as upstream pins, pytest-asyncio, pytest-mock, hypothesis, ray.
 Upstream `triton` is uninstalled afterwards (upstream's CPU CI does this too); torchvision 0.28.0
@@ -21,8 +21,10 @@ Where it lives: under the user cache (`config.cache_dir()`: ~/.cache/vllm-ascend
 overrides), so clean clones and CI reuse it:
   testenv/venv-<recipe hash>/     venv/, stamp.json (written only after a complete build), build.log,
                                   freeze.txt, base-results/ (cached base-suite results), lock
-  testenv/triton-<recipe hash>/   site/ (`pip install --target ... --no-deps triton==3.7.1`, the
+  testenv/triton-<recipe hash>/   site/ (`uv pip install --target ... --no-deps triton==3.7.1`, the
                                   Triton interpreter for the kernel op tests), stamp.json
+  uv/                             uv's cache: every environment's files are hard links into it, so
+                                  the environments share one copy of torch
 The directory name is the hash of the recipe (everything the content depends on), so two bases
 with the same recipe share one environment, and a changed recipe builds a new one beside the old.
 `build/testenv/venv` is a link to the environment used last (for tools that look there).
@@ -52,7 +54,7 @@ from tools.fork.core.errors import ForkError
 from tools.fork.testing import base_recipe as recipe
 from tools.fork.testing import venvs
 from tools.fork.testing.base_recipe import BaseRecipe, read_base
-from tools.fork.testing.venvs import pip, run_logged, say
+from tools.fork.testing.venvs import pip, run_logged, say, uv_env
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
     cause = cause if len(cause) <= 300 else cause[:297] + "..."
     return (
         f"test env: the built venv fails {doing}: {cause}\n"
-        f"  whole output: {log}; the torch pip chose is in its freeze.txt. To use a local CPU torch wheel, "
+        f"  whole output: {log}; the torch uv chose is in its freeze.txt. To use a local CPU torch wheel, "
         f"set PIP_FIND_LINKS=DIR (a folder holding {recipe.TORCH.replace('==', '-')}+cpu-*.whl) and run again."
     )
 
@@ -165,12 +167,13 @@ def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
 def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     requirements = base.requirements
     venv = root / "venv"
-    env = venvs.run_env(venv)
-    venvs.create(venv, log=log)
-    run_logged(pip(venv, "install", "-q", "--upgrade", "pip"), env=env, log=log, what="upgrade pip")
+    env = uv_env(venvs.run_env(venv))
+    # Seeded with pip: the deploy check installs and uninstalls a vllm-ascend wheel with the
+    # environment's pip, as an image's pip does.
+    venvs.create(venv, log=log, seed=True)
     # torch first, so that nothing later picks another build of it.
-    # A local CPU wheel when pip finds one (PIP_FIND_LINKS), else the registry's CUDA build: both run
-    # on the CPU; the CUDA one brings its nvidia-* libraries (a few GB per environment).
+    # A local CPU wheel when uv finds one (PIP_FIND_LINKS), else the registry's CUDA build: both run
+    # on the CPU; the CUDA one brings its nvidia-* libraries (a few GB, hard-linked from uv's cache).
     run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
     version, nvidia = torch_build(venv)
     say(
@@ -201,7 +204,7 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
         what=f"install {vllm} from its sdist as pure Python",
     )
     # The base's own pins win over vLLM's (e.g. 0.30.0rc2's fastapi<0.124.0): vLLM is not named again,
-    # so pip installs them and only warns about vLLM's declared range.
+    # so uv installs them (it resolves only what it is given) and only warns about vLLM's declared range.
     reqs = root / "requirements.filtered.txt"
     reqs.write_text("".join(f"{r}\n" for r in requirements))
     run_logged(
@@ -211,8 +214,8 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
         what="install upstream's requirements (filtered) + test deps",
     )
     uninstall = recipe.UNINSTALL_AFTER
-    run_logged(pip(venv, "uninstall", "-y", *uninstall), env=env, log=log, what="uninstall " + " ".join(uninstall))
-    freeze = subprocess.run(pip(venv, "freeze", "--all"), env=env, capture_output=True, text=True)
+    run_logged(pip(venv, "uninstall", *uninstall), env=env, log=log, what="uninstall " + " ".join(uninstall))
+    freeze = subprocess.run(pip(venv, "freeze"), env=env, capture_output=True, text=True)
     (root / "freeze.txt").write_text(freeze.stdout)
     proc = subprocess.run(
         [str(venv / "bin" / "python"), "-c", CHECK], env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
@@ -229,9 +232,11 @@ def _build_triton_site(root: Path, log: Path) -> None:
     if site.exists():
         shutil.rmtree(site)
     spec = recipe.TRITON_SITE_SPEC
+    cmd = [venvs.uv(), "pip", "install", "-q", "--python", sys.executable, *venvs.index_options(),
+           "--no-deps", "--target", str(site), spec]  # fmt: skip
     run_logged(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), spec],
-        env=venvs.run_env(None),
+        cmd,
+        env=uv_env(venvs.run_env(None)),
         log=log,
         what=f"install {spec} into {root.name}/site (--target, --no-deps)",
     )
@@ -297,8 +302,9 @@ def install_tree(tenv: TestEnv, tree: Path, version: str) -> None:
     )
     log = tenv.root / "editable.log"
     log.write_text("")
+    # --no-cache: the build itself must run, as it writes vllm_ascend/_build_info.py into the tree.
     run_logged(
-        pip(tenv.venv, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(tree)),
+        pip(tenv.venv, "install", "-q", "--no-cache", "--no-deps", "--no-build-isolation", "-e", str(tree)),
         env=env,
         log=log,
         what=f"install vllm_ascend editable from {tree}",

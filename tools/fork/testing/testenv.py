@@ -174,7 +174,10 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     # torch first, so that nothing later picks another build of it.
     # A local CPU wheel when uv finds one (PIP_FIND_LINKS), else the registry's CUDA build: both run
     # on the CPU; the CUDA one brings its nvidia-* libraries (a few GB, hard-linked from uv's cache).
-    run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
+    # One build at a time downloads torch: uv does not share a download in flight between processes,
+    # and builds running side by side (make test's prefetch) would each store their own copy.
+    with venvs.locked(root.parent / "torch-download.lock", "the torch download"):
+        run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
     version, nvidia = torch_build(venv)
     say(
         f"  torch {version}: "
@@ -194,11 +197,14 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     shim = install_torchvision_shim(venvs.purelib(venv / "bin" / "python"))
     say(f"  torchvision shim: {shim}, loaded by its .pth")
     run_logged(pip(venv, "install", "-q", *recipe.VLLM_BUILD_TOOLS), env=env, log=log, what="install vLLM build tools")
+    (root / "overrides.txt").write_text("".join(f"{r}\n" for r in recipe.OVERRIDES))
+    (root / "excludes.txt").write_text("".join(f"{r}\n" for r in recipe.EXCLUDES))
+    pinned = ("--overrides", str(root / "overrides.txt"), "--excludes", str(root / "excludes.txt"))
     vllm_env = dict(env, VLLM_TARGET_DEVICE="empty", VLLM_VERSION_OVERRIDE=base.vllm)
     vllm = f"vllm=={base.vllm}"
     pins = [base.transformers] if base.transformers else []
     run_logged(
-        pip(venv, "install", "-q", "--no-build-isolation", "--no-binary", "vllm", vllm, *pins),
+        pip(venv, "install", "-q", *pinned, "--no-build-isolation", "--no-binary", "vllm", vllm, *pins),
         env=vllm_env,
         log=log,
         what=f"install {vllm} from its sdist as pure Python",
@@ -208,7 +214,9 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     reqs = root / "requirements.filtered.txt"
     reqs.write_text("".join(f"{r}\n" for r in requirements))
     run_logged(
-        pip(venv, "install", "-q", "-r", str(reqs), *recipe.TEST_DEPS, recipe.TORCH, recipe.TORCHVISION, *pins),
+        pip(
+            venv, "install", "-q", *pinned, "-r", str(reqs), *recipe.TEST_DEPS, recipe.TORCH, recipe.TORCHVISION, *pins
+        ),
         env=env,
         log=log,
         what="install upstream's requirements (filtered) + test deps",

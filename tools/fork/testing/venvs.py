@@ -21,8 +21,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock, Timeout
-
 from tools.fork.core.config import REPO_ROOT, cache_dir
 from tools.fork.core.errors import EXIT_TOOLS_ENV, ForkError
 
@@ -183,7 +181,10 @@ class Stamp:
 @contextmanager
 def locked(path: Path, what: str, say=say):
     """Exclusive use of what `path` (a lock file) guards, across processes; says so when it waits.
-    A flock (filelock's): the kernel releases it when its holder dies."""
+    A flock (filelock's): the kernel releases it when its holder dies. Imported here: verbs that run
+    on a plain Python (`check`) import this module without using it."""
+    from filelock import FileLock, Timeout
+
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(path)
     try:

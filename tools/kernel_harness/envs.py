@@ -23,7 +23,7 @@ SPECS = {
     # pybind11 is an undeclared runtime dependency of triton-ascend 3.2.0; its interpreter needs numpy<2.4.
     "ascend": [TORCH, "triton-ascend==3.2.0", "pybind11", "numpy<2.4"],
 }
-# The registry's torch (a CUDA build, where pip finds no local CPU wheel) requires upstream `triton`,
+# The registry's torch (a CUDA build, where uv finds no local CPU wheel) requires upstream `triton`,
 # whose files land over triton-ascend's own `triton` package (both install `triton/`): the front end
 # would then be upstream's (seen: "triton-ascend 3.7.1", ASTSource() refusing `constants`). Upstream
 # triton goes, and triton-ascend's files are laid again; with the CPU torch both steps change nothing.

@@ -15,7 +15,7 @@ from pathlib import Path
 from tools.fork.core.errors import BadInput
 
 # Bump when the build logic changes in a way the constants below do not show.
-RECIPE_VERSION = 3
+RECIPE_VERSION = 4
 
 TORCH = "torch==2.13.0"  # the CPU wheel this kind of machine holds (pip takes it from disk)
 VERSIONING_POLICY = "docs/source/community/versioning_policy.md"
@@ -100,12 +100,6 @@ _sys.meta_path.insert(0, _TorchvisionCpuShim())
 """
 TORCHVISION_SHIM_MODULE = "_fork_torchvision_shim"  # written with a .pth that imports it
 UNINSTALL_AFTER = ("triton",)
-# uv's --overrides for the vLLM and requirements steps: torch and torchvision stay as installed first,
-# whatever vLLM pins (vLLM 0.23's torchvision==0.26.0 brings torch 2.11 with its CUDA libraries, which
-# the requirements step replaced again: the environment ends the same, without 3 GB of cache).
-OVERRIDES = (TORCH, TORCHVISION)
-# uv's --excludes: what vLLM's dependencies pull that nothing on the CPU loads.
-EXCLUDES = ("flashinfer-cubin",)  # flashinfer's prebuilt CUDA kernels (1.8 GB); flashinfer treats them as optional
 TRITON_SITE_SPEC = "triton==3.7.1"
 
 
@@ -248,8 +242,6 @@ def venv_recipe(base: BaseRecipe) -> dict:
         "requirements": base.requirements,
         "test_deps": list(TEST_DEPS),
         "uninstall_after": list(UNINSTALL_AFTER),
-        "overrides": list(OVERRIDES),
-        "excludes": list(EXCLUDES),
     }
 
 

@@ -145,6 +145,18 @@ def torch_build(venv: Path) -> tuple[str, int]:
     return version or "(unknown version)", int(nvidia or 0)
 
 
+def requirements_of(venv: Path, dist: str) -> list[str]:
+    """The requirements of `dist` as installed in `venv` (its extras' left out)."""
+    probe = f"import importlib.metadata as m\nfor r in m.requires({dist!r}) or []:\n    'extra ==' in r or print(r)"
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe],
+        env=venvs.run_env(venv), capture_output=True, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise ForkError(f"test env: reading {dist}'s requirements failed: {proc.stderr.strip()[-300:]}")
+    return proc.stdout.splitlines()
+
+
 def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
     """The cause of a failed CHECK in two lines: what failed and why (the first line of the error,
     not a C++ trace), then where the whole output is and what to set."""
@@ -197,26 +209,28 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     shim = install_torchvision_shim(venvs.purelib(venv / "bin" / "python"))
     say(f"  torchvision shim: {shim}, loaded by its .pth")
     run_logged(pip(venv, "install", "-q", *recipe.VLLM_BUILD_TOOLS), env=env, log=log, what="install vLLM build tools")
-    (root / "overrides.txt").write_text("".join(f"{r}\n" for r in recipe.OVERRIDES))
-    (root / "excludes.txt").write_text("".join(f"{r}\n" for r in recipe.EXCLUDES))
-    pinned = ("--overrides", str(root / "overrides.txt"), "--excludes", str(root / "excludes.txt"))
     vllm_env = dict(env, VLLM_TARGET_DEVICE="empty", VLLM_VERSION_OVERRIDE=base.vllm)
     vllm = f"vllm=={base.vllm}"
     pins = [base.transformers] if base.transformers else []
     run_logged(
-        pip(venv, "install", "-q", *pinned, "--no-build-isolation", "--no-binary", "vllm", vllm, *pins),
+        pip(venv, "install", "-q", "--no-deps", "--no-build-isolation", "--no-binary", "vllm", vllm),
         env=vllm_env,
         log=log,
         what=f"install {vllm} from its sdist as pure Python",
+    )
+    # Then what that build requires. Not in one step: uv resolves with the registry's wheel metadata
+    # (CUDA: torchaudio, flashinfer, CUTLASS, another torch), not with the pure-Python build's.
+    deps = root / "vllm-requirements.txt"
+    deps.write_text("".join(f"{r}\n" for r in requirements_of(venv, "vllm")))
+    run_logged(
+        pip(venv, "install", "-q", "-r", str(deps), *pins), env=env, log=log, what=f"install what {vllm} requires"
     )
     # The base's own pins win over vLLM's (e.g. 0.30.0rc2's fastapi<0.124.0): vLLM is not named again,
     # so uv installs them (it resolves only what it is given) and only warns about vLLM's declared range.
     reqs = root / "requirements.filtered.txt"
     reqs.write_text("".join(f"{r}\n" for r in requirements))
     run_logged(
-        pip(
-            venv, "install", "-q", *pinned, "-r", str(reqs), *recipe.TEST_DEPS, recipe.TORCH, recipe.TORCHVISION, *pins
-        ),
+        pip(venv, "install", "-q", "-r", str(reqs), *recipe.TEST_DEPS, recipe.TORCH, recipe.TORCHVISION, *pins),
         env=env,
         log=log,
         what="install upstream's requirements (filtered) + test deps",

@@ -234,20 +234,27 @@ def ensure_spec(where: Path, spec: list[str], marker: str, say=say, then: tuple[
     python = where / "bin" / "python"
     stamp = where / marker
     record = spec if not then else {"spec": spec, "then": [list(t) for t in then]}
-    if python.exists() and stamp.exists() and json.loads(stamp.read_text()) == record:
+
+    def current() -> bool:
+        return python.exists() and stamp.exists() and json.loads(stamp.read_text()) == record
+
+    if current():
         return python
-    log = where.with_name(where.name + ".log")
     where.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text("")
-    if not python.exists():
-        say(f"creating {where}")
-        create(where, log=log, say=say)
-    say(f"installing {' '.join(spec)} into {where}")
-    env = uv_env(run_env(where))
-    run_logged(pip(where, "install", "-q", *spec), env=env, log=log, what="pip install", say=say)
-    for args in then:
-        run_logged(pip(where, *args), env=env, log=log, what="pip " + " ".join(args), say=say)
-    stamp.write_text(json.dumps(record))
+    with locked(where.with_name(where.name + ".lock"), where.name, say):  # two `test` runs side by side
+        if current():
+            return python
+        log = where.with_name(where.name + ".log")
+        log.write_text("")
+        if not python.exists():
+            say(f"creating {where}")
+            create(where, log=log, say=say)
+        say(f"installing {' '.join(spec)} into {where}")
+        env = uv_env(run_env(where))
+        run_logged(pip(where, "install", "-q", *spec), env=env, log=log, what="pip install", say=say)
+        for args in then:
+            run_logged(pip(where, *args), env=env, log=log, what="pip " + " ".join(args), say=say)
+        stamp.write_text(json.dumps(record))
     return python
 
 

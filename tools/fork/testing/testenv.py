@@ -1,39 +1,16 @@
-"""The CPU test environment of a base: derived from the base itself, built once, cached.
+"""The CPU test environment of a base: derived from the base itself, built once by uv, cached.
 
-Where it comes from, per base tree (docs/testing.md; the constants and the reading are base_recipe.py's,
-the building is venvs.py's):
-  vLLM          the version the base pairs with: its own docs/source/community/versioning_policy.md
-                ("Release compatibility matrix", the row for the base), else the X.Y.Z rule
-                (vllm-ascend X.Y.Z[rcN|.postN] -> vLLM X.Y.Z). Built from vLLM's sdist as pure
-                Python (VLLM_TARGET_DEVICE=empty) with its build tools (setuptools-rust included).
-  requirements  the base's own requirements.txt minus the NPU/CUDA-only and build-only entries
-                (transformers and every other pin as the base writes it).
-  torch         TORCH as uv finds it: a local CPU wheel when PIP_FIND_LINKS (or UV_FIND_LINKS) names a
-                folder holding one, else the registry's CUDA build with its nvidia-* libraries (it
-                runs on the CPU all the same; the build log says which). The base's own torch pin
-                is for torch-npu and is reported when it differs.
-  test deps     pytest<9 as upstream pins, pytest-asyncio, pytest-mock, hypothesis, ray.
-Upstream `triton` is uninstalled afterwards (upstream's CPU CI does this too); torchvision 0.28.0
-(the registry's CUDA build) gets a shim (a module its .pth imports at start-up) that lets it import
-beside the CPU torch, and does nothing where its own extension loads (beside the CUDA torch).
-
-Where it lives: under the user cache (`config.cache_dir()`: ~/.cache/vllm-ascend-fork, FORK_CACHE
-overrides), so clean clones and CI reuse it:
+What goes into it and why: docs/testing.md, "The test environment" (the constants and the reading of
+the base are base_recipe.py's, the uv and venv mechanics venvs.py's). Where it lives, under the user
+cache (`config.cache_dir()`: ~/.cache/vllm-ascend-fork, FORK_CACHE overrides):
   testenv/venv-<recipe hash>/     venv/, stamp.json (written only after a complete build), build.log,
                                   freeze.txt, base-results/ (cached base-suite results), lock
-  testenv/triton-<recipe hash>/   site/ (`uv pip install --target ... --no-deps triton==3.7.1`, the
-                                  Triton interpreter for the kernel op tests), stamp.json
-  uv/                             uv's cache: every environment's files are hard links into it, so
-                                  the environments share one copy of torch
-The directory name is the hash of the recipe (everything the content depends on), so two bases
-with the same recipe share one environment, and a changed recipe builds a new one beside the old.
-`build/testenv/venv` is a link to the environment used last (for tools that look there).
-
-`vllm_ascend` itself is not part of the environment: `install_tree()` installs a materialized tree
-editable into the venv just before its suite runs, under the environment's lock (one suite run at
-a time per environment, across processes).
-
-Run `python3 -m tools.fork test --base VERSION --env-only` to build or check one alone.
+  testenv/triton-<recipe hash>/   site/ (triton==3.7.1 by `--target`, the interpreter for the kernel
+                                  op tests), stamp.json
+  uv/                             uv's cache, which every environment's files are hard links into
+Two bases with the same recipe share one environment; a changed recipe builds a new one beside the
+old. `build/testenv/venv` links to the environment used last. `vllm_ascend` itself is installed
+editable by `install_tree()` just before its suite runs, under the environment's lock.
 """
 
 from __future__ import annotations

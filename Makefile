@@ -65,6 +65,7 @@ npu-report:
 faults: $(VENV)/.stamp
 	FORK_FAULTS=all $(VENV)/bin/python -m pytest tools/fork/tests/test_faults_deploy.py tools/fork/tests/test_faults_repo.py -q -s
 
+# pip, not uv, makes this venv: uv is one of the packages it installs.
 $(VENV)/.stamp: tools/requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip

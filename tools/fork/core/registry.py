@@ -67,7 +67,7 @@ def helper_python() -> Path:
 
 
 def _pip_download(cfg: ForkConfig, version: str, dest: Path) -> Path:
-    """Download the sdist with pip (run from the helper venv) into `dest`."""
+    """Download the sdist with pip (run from the helper venv) into `dest` (uv has no `pip download`)."""
     try:
         python = helper_python()
     except UpstreamUnavailable as exc:

@@ -112,6 +112,7 @@ def wheel_for(cfg: config.ForkConfig, version: str, python: Path, work: Path) ->
     sdist = upstream.obtain(cfg, version).source.sdist
     tmp = wheels.with_name(wheels.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    # pip, as an image's vllm-ascend is built and installed with pip (the test venv is seeded with it).
     cmd = [python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp, sdist]
     _run(cmd, what=f"building the vllm-ascend {version} wheel", env=venvs.run_env(None, PIP_ENV))
     (built,) = tmp.glob("*.whl")

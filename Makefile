@@ -14,15 +14,16 @@ fork: $(VENV)/.stamp
 # The newest final release, tested beside the pin (each with its own vLLM and environment).
 FINAL_BASE ?= 0.23.0.post1
 
-# Other releases whose test environments `make test` needs: the newest final release, and the
-# registry pre-release the tooling's rebase test moves the series onto (test_rebase_real.py).
-PREFETCH_BASES ?= $(FINAL_BASE) 0.24.0rc1
+# Other releases whose test environments `make test` needs: the registry pre-release the tooling's
+# rebase test moves the series onto (test_rebase_real.py).
+PREFETCH_BASES ?= 0.24.0rc1
 
 # The series' size against its budgets (tools/series_size.py); check the series on every base, then
-# run the fork's tests and upstream's CPU suite on base and fork, for the pin and for the newest final release (the tooling's own tests once).
-# The other environments build in the background meanwhile (a no-op once cached): a cold run's pip
-# work overlaps the pin's single-process suites instead of adding to them. Their logs:
-# build/prefetch/; a failed prefetch is reported, and the step that needs the environment builds it.
+# run the fork's tests and upstream's CPU suite on base and fork, for the pin and for the newest final
+# release (the tooling's own tests once). The newest final release is tested side by side with the pin
+# (each suite is one process: two cores do both), its output in build/test-$(FINAL_BASE).log, printed
+# after the pin's; the other environments build in the background meanwhile (a no-op once cached;
+# their logs: build/prefetch/; a failed prefetch is reported, and the step that needs one builds it).
 test: $(VENV)/.stamp
 	$(VENV)/bin/python tools/series_size.py
 	$(FORK) check --all-bases
@@ -30,8 +31,10 @@ test: $(VENV)/.stamp
 	for v in $(PREFETCH_BASES); do \
 		$(FORK) test --env-only --base $$v >build/prefetch/$$v.log 2>&1 || echo "prefetch of $$v's test environment failed: build/prefetch/$$v.log" & \
 	done; \
-	$(FORK) test; rc=$$?; wait; exit $$rc
-	$(FORK) test --base $(FINAL_BASE) --no-tooling-tests
+	$(FORK) test --base $(FINAL_BASE) --no-tooling-tests >build/test-$(FINAL_BASE).log 2>&1 & final=$$!; \
+	$(FORK) test; rc=$$?; \
+	wait $$final || rc=1; echo; echo "== test --base $(FINAL_BASE) (build/test-$(FINAL_BASE).log)"; cat build/test-$(FINAL_BASE).log; \
+	wait; exit $$rc
 
 # Build docker/Dockerfile.deploy with podman on a stand-in of the pinned release's image; verify,
 # revert and compare inside it (.ci/image.sh; installs podman and debootstrap when missing).
@@ -62,6 +65,7 @@ npu-report:
 faults: $(VENV)/.stamp
 	FORK_FAULTS=all $(VENV)/bin/python -m pytest tools/fork/tests/test_faults_deploy.py tools/fork/tests/test_faults_repo.py -q -s
 
+# pip, not uv, makes this venv: uv is one of the packages it installs.
 $(VENV)/.stamp: tools/requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip

@@ -48,7 +48,7 @@ same run as the ceiling. gbps counts read + write bytes (2 x bytes / time), like
 Every record has `median_ms` (device time: events around one batch, launch gaps included) and
 `host_ms` (median wall time of the call itself on the host, without waiting for the device). The
 backends of one case are timed round robin, one call each per round in a shuffled order, so that a
-drift in the host's speed (up to 2x between leases, and within one) falls on all of them alike, and
+drift in the host's speed (up to 2x between hosts, and within one) falls on all of them alike, and
 so does running right after another backend (colder host caches: up to 25% slower in run 13).
 
 The host-side cost of collecting the copy metadata is measured on the CPU with CPU tensors:

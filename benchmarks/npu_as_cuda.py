@@ -1,7 +1,7 @@
 """pytest plugin (and helper) for a CUDA GPU: the op tests' `npu` device becomes `cuda`.
 
 The upstream-bound op tests are written as upstream writes them: device "npu", skipped without
-`torch.npu`. On the lent GPU there is no torch_npu, so `install()` gives torch an `npu` module
+`torch.npu`. On a CUDA GPU host there is no torch_npu, so `install()` gives torch an `npu` module
 (`is_available`, `synchronize`, `device_count`, `current_device`, seeds, `NPUGraph` / `graph`
 and `torch.accelerator.synchronize` answered by CUDA) and, for the
 whole process, a torch function mode that turns every `npu` device a torch function is given

@@ -1,4 +1,4 @@
-"""vLLM's two Mamba state copy functions where vLLM is not installed (the lent GPU's image).
+"""vLLM's two Mamba state copy functions where vLLM is not installed (a GPU host with torch and Triton alone).
 
 The fork's grouped copy module (`vllm_ascend.worker.mamba_copy_groups`) recognises vLLM's
 `get_conv_copy_spec` and `get_temporal_copy_spec` by identity. With vLLM importable its own module

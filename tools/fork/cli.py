@@ -53,7 +53,7 @@ REPO_WRITERS = {"apply", "export", "rebase"}
 REPO_LOCK = ".fork.lock"  # in build/, the tool's own output folder
 
 # Importable only in the tools environment (tools/requirements.txt); tomli: Python 3.10's TOML reader.
-TOOLS_ENV_MODULES = {"setuptools", "setuptools_scm", "wheel", "pytest", "tomli", "_pytest"}
+TOOLS_ENV_MODULES = {"setuptools", "setuptools_scm", "wheel", "pytest", "tomli", "_pytest", "filelock", "uv"}
 TOOLS_ENV_HINT = (
     "run `make build/tools-venv/.stamp` and use build/tools-venv/bin/python -m tools.fork "
     "(or pip install -r tools/requirements.txt into this Python)"

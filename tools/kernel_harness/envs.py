@@ -16,20 +16,20 @@ import sys
 from pathlib import Path
 
 from tools.fork.testing import venvs
-from tools.fork.testing.base_recipe import TORCH  # the local CPU wheel where pip finds one, else the registry's
+from tools.fork.testing.base_recipe import TORCH  # the local CPU wheel where uv finds one, else the registry's
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = {
     # pybind11 is an undeclared runtime dependency of triton-ascend 3.2.0; its interpreter needs numpy<2.4.
     "ascend": [TORCH, "triton-ascend==3.2.0", "pybind11", "numpy<2.4"],
 }
-# The registry's torch (a CUDA build, where pip finds no local CPU wheel) requires upstream `triton`,
+# The registry's torch (a CUDA build, where uv finds no local CPU wheel) requires upstream `triton`,
 # whose files land over triton-ascend's own `triton` package (both install `triton/`): the front end
 # would then be upstream's (seen: "triton-ascend 3.7.1", ASTSource() refusing `constants`). Upstream
 # triton goes, and triton-ascend's files are laid again; with the CPU torch both steps change nothing.
 THEN = {
     "ascend": (
-        ("uninstall", "-y", "triton"),
+        ("uninstall", "triton"),
         ("install", "-q", "--no-deps", "--force-reinstall", "triton-ascend==3.2.0"),
     ),
 }

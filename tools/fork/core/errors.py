@@ -26,7 +26,7 @@ exit codes:
      or an export was cut short: `export` finishes it before `apply` or `rebase` run
   5  the upstream base could not be obtained or verified (registry, sha256)
   6  refused: the operation would overwrite local edits
-  7  this Python lacks a package the verb needs (setuptools-scm, wheel, pytest): use
+  7  this Python lacks a package the verb needs (setuptools-scm, wheel, pytest, uv): use
      build/tools-venv/bin/python (made by `make`), or pip install -r tools/requirements.txt
 """
 

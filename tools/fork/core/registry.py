@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tools.fork.core import lock
 from tools.fork.core.config import ForkConfig, cache_dir
 from tools.fork.core.errors import BadInput, UpstreamUnavailable
 
@@ -35,16 +36,13 @@ HELPER_TOOLS = ("setuptools>=64,<81", "setuptools-scm>=8", "wheel")
 
 def helper_python() -> Path:
     """The cached helper venv's Python (<cache>/pip-helper), built once; the stamp is written last."""
-    import fcntl
     import json
 
     home = cache_dir() / "pip-helper"
     python = home / "venv" / "bin" / "python"
     want = {"tools": list(HELPER_TOOLS), "python": ".".join(map(str, sys.version_info[:2]))}
     stamp = home / "stamp.json"
-    home.mkdir(parents=True, exist_ok=True)
-    with (home / "lock").open("a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with lock.exclusive(home / "lock", "the download helper venv", wait=True):
         try:
             if python.exists() and json.loads(stamp.read_text()) == want:
                 return python
@@ -69,7 +67,7 @@ def helper_python() -> Path:
 
 
 def _pip_download(cfg: ForkConfig, version: str, dest: Path) -> Path:
-    """Download the sdist with pip (run from the helper venv) into `dest`."""
+    """Download the sdist with pip (run from the helper venv) into `dest` (uv has no `pip download`)."""
     try:
         python = helper_python()
     except UpstreamUnavailable as exc:

@@ -112,6 +112,7 @@ def wheel_for(cfg: config.ForkConfig, version: str, python: Path, work: Path) ->
     sdist = upstream.obtain(cfg, version).source.sdist
     tmp = wheels.with_name(wheels.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    # pip, as an image's vllm-ascend is built and installed with pip (the test venv is seeded with it).
     cmd = [python, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp, sdist]
     _run(cmd, what=f"building the vllm-ascend {version} wheel", env=venvs.run_env(None, PIP_ENV))
     (built,) = tmp.glob("*.whl")
@@ -241,7 +242,8 @@ def check(cfg: config.ForkConfig, python: Path | None = None, *, version: str | 
             "--env-only`) or set FORK_DEPLOY_PYTHON"
         )
     version = cfg.base(version).version
-    work = output_dir(work or cfg.build_dir / "deploy-check", "--work").resolve()
+    # One folder a base: `make test` checks two bases side by side.
+    work = output_dir(work or cfg.build_dir / "deploy-check" / version, "--work").resolve()
     work.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     t = time.monotonic()
@@ -318,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-C", dest="root", type=Path, default=config.REPO_ROOT, help="the fork repository")
     p.add_argument("--python", type=Path, help="the test environment's Python (default build/testenv/venv/bin/python)")
     p.add_argument("--base", help="a base in fork.toml (default: the pin)")
-    p.add_argument("--work", type=Path, help="working directory (default: build/deploy-check of the repository)")
+    p.add_argument(
+        "--work", type=Path, help="working directory (default: build/deploy-check/VERSION of the repository)"
+    )
     args = p.parse_args(argv)
     try:
         cfg = config.load(args.root.resolve())

@@ -27,7 +27,8 @@ def _pip_python() -> str:
 
 
 def registry_versions(dist: str) -> list[str]:
-    """Every release of `dist` the registry lists, pre-releases included (`pip index versions --pre`)."""
+    """Every release of `dist` the registry lists, pre-releases included (`pip index versions --pre`: uv
+    has no listing of versions)."""
     cmd = [_pip_python(), "-m", "pip", "index", "versions", "--pre", "--disable-pip-version-check", dist]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)

@@ -23,8 +23,9 @@ checkout lacks is reported as not available. Ctrl-C, SIGTERM or a phase's time l
 the Triton interpreter (a few tests a file, smoke-sized stress and benchmark): it checks the tooling,
 not the kernels' concurrency or speed.
 
-Where there is no git or registry (a lent GPU): `--stage DIR` here copies what the phases need from
-the trees into DIR with a plan (npu-plan.json); there, beside this repository's working tree,
+For a GPU or NPU host without network access, git or vLLM: `--stage DIR` (a folder of your choice,
+e.g. build/npu-stage) copies what the phases need from the trees into DIR with a plan
+(npu-plan.json). Copy DIR and this repository's tools/ and benchmarks/ to the host; there
 `npu-report --plan DIR/npu-plan.json` runs it (torch, triton, pytest and hypothesis; no vLLM).
 """
 
@@ -77,7 +78,7 @@ def add_arguments(p) -> None:
         "--stage",
         type=Path,
         metavar="DIR",
-        help="copy the trees' files the phases need into DIR with its plan, run nothing",
+        help="copy the trees' files the phases need into DIR (e.g. build/npu-stage) with its plan, run nothing",
     )
     p.add_argument(
         "--phases",
@@ -188,7 +189,10 @@ def run(args, cfg: ForkConfig) -> int:
         plans.stage(plan, args.stage.resolve())
         rel = os.path.relpath(args.stage.resolve() / plans.PLAN_FILE, cfg.root)
         _say(f"staged {len(plan.op_tests)} op test file(s) and the kernels of both trees in {args.stage}")
-        _say(f"run it: python3 -m tools.fork npu-report --plan {rel} --device cuda --out OUT")
+        _say(
+            f"copy {os.path.dirname(rel) or '.'}/ with tools/ and benchmarks/ to the GPU or NPU host, and run there: "
+            f"python3 -m tools.fork npu-report --plan {rel} --device npu (or cuda) --out REPORT_DIR"
+        )
         return 0
     out = (args.out or cfg.build_dir / f"npu-report-{args.device}").resolve()
     env = _phase_env(args.device, args.python)

@@ -9,7 +9,7 @@ Derived, never listed by hand, so that it follows the series as patches come and
   mapped to patches through them.
 
 A plan is JSON (`save`/`load`), so that a folder staged here (`stage`) runs on a machine with no
-git, no registry and no vLLM (the lent GPU): the trees are paths relative to the plan's folder.
+git, no network access and no vLLM (a GPU or NPU host): the trees are paths relative to the plan's folder.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pathlib import Path
 from tools.fork.core.errors import BadInput
 
 # Bump when the build logic changes in a way the constants below do not show.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 4
 
 TORCH = "torch==2.13.0"  # the CPU wheel this kind of machine holds (pip takes it from disk)
 VERSIONING_POLICY = "docs/source/community/versioning_policy.md"

@@ -1,37 +1,16 @@
-"""The CPU test environment of a base: derived from the base itself, built once, cached.
+"""The CPU test environment of a base: derived from the base itself, built once by uv, cached.
 
-Where it comes from, per base tree (docs/testing.md; the constants and the reading are base_recipe.py's,
-the building is venvs.py's):
-  vLLM          the version the base pairs with: its own docs/source/community/versioning_policy.md
-                ("Release compatibility matrix", the row for the base), else the X.Y.Z rule
-                (vllm-ascend X.Y.Z[rcN|.postN] -> vLLM X.Y.Z). Built from vLLM's sdist as pure
-                Python (VLLM_TARGET_DEVICE=empty) with its build tools (setuptools-rust included).
-  requirements  the base's own requirements.txt minus the NPU/CUDA-only and build-only entries
-                (transformers and every other pin as the base writes it).
-  torch         TORCH as pip finds it: a local CPU wheel when PIP_FIND_LINKS (or pip.conf's find-links)
-                names a folder holding one, else the registry's CUDA build with its nvidia-* libraries
-                (it runs on the CPU all the same; the build log says which). The base's own torch pin
-                is for torch-npu and is reported when it differs.
-  test deps     pytest<9 as upstream pins, pytest-asyncio, pytest-mock, hypothesis, ray.
-Upstream `triton` is uninstalled afterwards (upstream's CPU CI does this too); torchvision 0.28.0
-(the registry's CUDA build) gets a shim (a module its .pth imports at start-up) that lets it import
-beside the CPU torch, and does nothing where its own extension loads (beside the CUDA torch).
-
-Where it lives: under the user cache (`config.cache_dir()`: ~/.cache/vllm-ascend-fork, FORK_CACHE
-overrides), so clean clones and CI reuse it:
+What goes into it and why: docs/testing.md, "The test environment" (the constants and the reading of
+the base are base_recipe.py's, the uv and venv mechanics venvs.py's). Where it lives, under the user
+cache (`config.cache_dir()`: ~/.cache/vllm-ascend-fork, FORK_CACHE overrides):
   testenv/venv-<recipe hash>/     venv/, stamp.json (written only after a complete build), build.log,
                                   freeze.txt, base-results/ (cached base-suite results), lock
-  testenv/triton-<recipe hash>/   site/ (`pip install --target ... --no-deps triton==3.7.1`, the
-                                  Triton interpreter for the kernel op tests), stamp.json
-The directory name is the hash of the recipe (everything the content depends on), so two bases
-with the same recipe share one environment, and a changed recipe builds a new one beside the old.
-`build/testenv/venv` is a link to the environment used last (for tools that look there).
-
-`vllm_ascend` itself is not part of the environment: `install_tree()` installs a materialized tree
-editable into the venv just before its suite runs, under the environment's lock (one suite run at
-a time per environment, across processes).
-
-Run `python3 -m tools.fork test --base VERSION --env-only` to build or check one alone.
+  testenv/triton-<recipe hash>/   site/ (triton==3.7.1 by `--target`, the interpreter for the kernel
+                                  op tests), stamp.json
+  uv/                             uv's cache, which every environment's files are hard links into
+Two bases with the same recipe share one environment; a changed recipe builds a new one beside the
+old. `build/testenv/venv` links to the environment used last. `vllm_ascend` itself is installed
+editable by `install_tree()` just before its suite runs, under the environment's lock.
 """
 
 from __future__ import annotations
@@ -52,7 +31,7 @@ from tools.fork.core.errors import ForkError
 from tools.fork.testing import base_recipe as recipe
 from tools.fork.testing import venvs
 from tools.fork.testing.base_recipe import BaseRecipe, read_base
-from tools.fork.testing.venvs import pip, run_logged, say
+from tools.fork.testing.venvs import pip, run_logged, say, uv_env
 
 
 @dataclass(frozen=True)
@@ -143,6 +122,18 @@ def torch_build(venv: Path) -> tuple[str, int]:
     return version or "(unknown version)", int(nvidia or 0)
 
 
+def requirements_of(venv: Path, dist: str) -> list[str]:
+    """The requirements of `dist` as installed in `venv` (its extras' left out)."""
+    probe = f"import importlib.metadata as m\nfor r in m.requires({dist!r}) or []:\n    'extra ==' in r or print(r)"
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe],
+        env=venvs.run_env(venv), capture_output=True, text=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise ForkError(f"test env: reading {dist}'s requirements failed: {proc.stderr.strip()[-300:]}")
+    return proc.stdout.splitlines()
+
+
 def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
     """The cause of a failed CHECK in two lines: what failed and why (the first line of the error,
     not a C++ trace), then where the whole output is and what to set."""
@@ -157,7 +148,7 @@ def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
     cause = cause if len(cause) <= 300 else cause[:297] + "..."
     return (
         f"test env: the built venv fails {doing}: {cause}\n"
-        f"  whole output: {log}; the torch pip chose is in its freeze.txt. To use a local CPU torch wheel, "
+        f"  whole output: {log}; the torch uv chose is in its freeze.txt. To use a local CPU torch wheel, "
         f"set PIP_FIND_LINKS=DIR (a folder holding {recipe.TORCH.replace('==', '-')}+cpu-*.whl) and run again."
     )
 
@@ -165,13 +156,17 @@ def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
 def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     requirements = base.requirements
     venv = root / "venv"
-    env = venvs.run_env(venv)
-    venvs.create(venv, log=log)
-    run_logged(pip(venv, "install", "-q", "--upgrade", "pip"), env=env, log=log, what="upgrade pip")
+    env = uv_env(venvs.run_env(venv))
+    # Seeded with pip: the deploy check installs and uninstalls a vllm-ascend wheel with the
+    # environment's pip, as an image's pip does.
+    venvs.create(venv, log=log, seed=True)
     # torch first, so that nothing later picks another build of it.
-    # A local CPU wheel when pip finds one (PIP_FIND_LINKS), else the registry's CUDA build: both run
-    # on the CPU; the CUDA one brings its nvidia-* libraries (a few GB per environment).
-    run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
+    # A local CPU wheel when uv finds one (PIP_FIND_LINKS), else the registry's CUDA build: both run
+    # on the CPU; the CUDA one brings its nvidia-* libraries (a few GB, hard-linked from uv's cache).
+    # One build at a time downloads torch: uv does not share a download in flight between processes,
+    # and builds running side by side (make test's prefetch) would each store their own copy.
+    with venvs.locked(root.parent / "torch-download.lock", "the torch download"):
+        run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
     version, nvidia = torch_build(venv)
     say(
         f"  torch {version}: "
@@ -195,13 +190,20 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     vllm = f"vllm=={base.vllm}"
     pins = [base.transformers] if base.transformers else []
     run_logged(
-        pip(venv, "install", "-q", "--no-build-isolation", "--no-binary", "vllm", vllm, *pins),
+        pip(venv, "install", "-q", "--no-deps", "--no-build-isolation", "--no-binary", "vllm", vllm),
         env=vllm_env,
         log=log,
         what=f"install {vllm} from its sdist as pure Python",
     )
+    # Then what that build requires. Not in one step: uv resolves with the registry's wheel metadata
+    # (CUDA: torchaudio, flashinfer, CUTLASS, another torch), not with the pure-Python build's.
+    deps = root / "vllm-requirements.txt"
+    deps.write_text("".join(f"{r}\n" for r in requirements_of(venv, "vllm")))
+    run_logged(
+        pip(venv, "install", "-q", "-r", str(deps), *pins), env=env, log=log, what=f"install what {vllm} requires"
+    )
     # The base's own pins win over vLLM's (e.g. 0.30.0rc2's fastapi<0.124.0): vLLM is not named again,
-    # so pip installs them and only warns about vLLM's declared range.
+    # so uv installs them (it resolves only what it is given) and only warns about vLLM's declared range.
     reqs = root / "requirements.filtered.txt"
     reqs.write_text("".join(f"{r}\n" for r in requirements))
     run_logged(
@@ -211,8 +213,8 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
         what="install upstream's requirements (filtered) + test deps",
     )
     uninstall = recipe.UNINSTALL_AFTER
-    run_logged(pip(venv, "uninstall", "-y", *uninstall), env=env, log=log, what="uninstall " + " ".join(uninstall))
-    freeze = subprocess.run(pip(venv, "freeze", "--all"), env=env, capture_output=True, text=True)
+    run_logged(pip(venv, "uninstall", *uninstall), env=env, log=log, what="uninstall " + " ".join(uninstall))
+    freeze = subprocess.run(pip(venv, "freeze"), env=env, capture_output=True, text=True)
     (root / "freeze.txt").write_text(freeze.stdout)
     proc = subprocess.run(
         [str(venv / "bin" / "python"), "-c", CHECK], env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL
@@ -229,9 +231,11 @@ def _build_triton_site(root: Path, log: Path) -> None:
     if site.exists():
         shutil.rmtree(site)
     spec = recipe.TRITON_SITE_SPEC
+    cmd = [venvs.uv(), "pip", "install", "-q", "--python", sys.executable, *venvs.index_options(),
+           "--no-deps", "--target", str(site), spec]  # fmt: skip
     run_logged(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), spec],
-        env=venvs.run_env(None),
+        cmd,
+        env=uv_env(venvs.run_env(None)),
         log=log,
         what=f"install {spec} into {root.name}/site (--target, --no-deps)",
     )
@@ -297,8 +301,9 @@ def install_tree(tenv: TestEnv, tree: Path, version: str) -> None:
     )
     log = tenv.root / "editable.log"
     log.write_text("")
+    # --no-cache: the build itself must run, as it writes vllm_ascend/_build_info.py into the tree.
     run_logged(
-        pip(tenv.venv, "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(tree)),
+        pip(tenv.venv, "install", "-q", "--no-cache", "--no-deps", "--no-build-isolation", "-e", str(tree)),
         env=env,
         log=log,
         what=f"install vllm_ascend editable from {tree}",

@@ -1,8 +1,15 @@
-"""The one virtual-environment builder: clean process environments, logged pip steps, stamped cached builds."""
+"""The one virtual-environment builder: clean process environments, logged uv steps, stamped cached builds.
+
+Environments are made by uv (`uv venv`, `uv pip install`; uv comes with the tools venv,
+tools/requirements.txt): it resolves and downloads in parallel and hard-links every file from one
+cache into every environment (`<cache>/uv`, the user cache's own, or UV_CACHE_DIR), so torch is
+stored once however many environments hold it. uv reads no pip configuration: pip's PIP_FIND_LINKS,
+PIP_INDEX_URL, PIP_EXTRA_INDEX_URL and PIP_NO_INDEX are given to it as its own options
+(`index_options`), so a folder holding the CPU torch wheel works as it did with pip.
+"""
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -14,7 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.fork.core.errors import ForkError
+from tools.fork.core.config import REPO_ROOT, cache_dir
+from tools.fork.core.errors import EXIT_TOOLS_ENV, ForkError
 
 # The environment every command in a built venv gets (and every test run).
 RUN_ENV = {
@@ -44,9 +52,54 @@ def run_env(venv: Path | None, extra: dict[str, str] | None = None) -> dict[str,
     return env
 
 
-def pip(venv: Path, *args: str) -> list[str]:
-    """The argv of `pip ARGS` run by the venv's own Python."""
-    return [str(venv / "bin" / "python"), "-m", "pip", *args]
+def uv() -> str:
+    """The uv executable: this Python's (the `uv` package), else one on PATH, else the tools venv's
+    (a test environment's Python, which runs the tooling's tests, has no uv of its own)."""
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        pass
+    tools_venv = REPO_ROOT / "build" / "tools-venv" / "bin" / "uv"
+    found = shutil.which("uv") or (str(tools_venv) if tools_venv.is_file() else None)
+    if found:
+        return found
+    raise ForkError(
+        "uv is missing: it builds the test environments. Use build/tools-venv/bin/python (made by `make`), "
+        "or pip install -r tools/requirements.txt",
+        EXIT_TOOLS_ENV,
+    )
+
+
+def uv_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` plus uv's cache: UV_CACHE_DIR when set, else `<cache>/uv` (beside the environments, so
+    on their file system: uv hard-links from it)."""
+    return {"UV_CACHE_DIR": str(cache_dir() / "uv"), **env}
+
+
+def index_options(environ: dict[str, str] | None = None) -> list[str]:
+    """pip's index variables as uv options (uv reads neither pip.conf nor PIP_*); a UV_* variable
+    that is set already speaks for itself and is left to uv."""
+    environ = os.environ if environ is None else environ
+    opts: list[str] = []
+    if environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on") and "UV_NO_INDEX" not in environ:
+        opts.append("--no-index")
+    for pip_var, uv_var, option in (
+        ("PIP_INDEX_URL", "UV_DEFAULT_INDEX", "--default-index"),
+        ("PIP_EXTRA_INDEX_URL", "UV_INDEX", "--index"),
+        ("PIP_FIND_LINKS", "UV_FIND_LINKS", "--find-links"),
+    ):
+        if uv_var not in environ:
+            for value in environ.get(pip_var, "").split():
+                opts += [option, value]
+    return opts
+
+
+def pip(venv: Path, command: str, *args: str) -> list[str]:
+    """The argv of `pip COMMAND ARGS` for the venv, run by uv (`uv pip`)."""
+    index = index_options() if command == "install" else []
+    return [uv(), "pip", command, "--python", str(venv / "bin" / "python"), *index, *args]
 
 
 def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, what: str, say=say) -> float:
@@ -64,20 +117,23 @@ def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, what: str, say
 
 
 def step_error(log: Path) -> str:
-    """The cause of a failed step in one line: pip's own ERROR lines of the step's output (its
-    last command in `log`), else that output's last line; not a build's or a C++ trace's tail."""
+    """The cause of a failed step in one line: the installer's own error lines of the step's output
+    (its last command in `log`; pip's `ERROR: `, uv's `error: ` and `×`), else that output's last
+    line; not a build's or a C++ trace's tail."""
     out = log.read_text(errors="replace").rsplit("\n$ ", 1)[-1].splitlines()[1:]
     lines = [ln.strip() for ln in out if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("ERROR: ")]
+    errors = [ln for ln in lines if ln.startswith(("ERROR: ", "error: ", "× "))]
     cause = " / ".join(errors[:2]) if errors else (lines[-1] if lines else "(no output)")
     return cause if len(cause) <= 400 else cause[:397] + "..."
 
 
-def create(venv: Path, *, log: Path, say=say) -> None:
-    """A new venv with pip at `venv` (anything there before is removed), made by this Python."""
+def create(venv: Path, *, log: Path, seed: bool = False, say=say) -> None:
+    """A new venv at `venv` (anything there before is removed) for this Python, made by uv; with
+    `seed`, pip, setuptools and wheel in it."""
     if venv.exists():
         shutil.rmtree(venv)
-    run_logged([sys.executable, "-m", "venv", str(venv)], env=run_env(None), log=log, what="create venv", say=say)
+    cmd = [uv(), "venv", "-q", "--python", sys.executable, *(["--seed"] if seed else []), str(venv)]
+    run_logged(cmd, env=uv_env(run_env(None)), log=log, what="create venv", say=say)
 
 
 def purelib(python: Path) -> Path:
@@ -124,18 +180,22 @@ class Stamp:
 
 @contextmanager
 def locked(path: Path, what: str, say=say):
-    """Exclusive use of what `path` (a lock file) guards, across processes; says so when it waits."""
+    """Exclusive use of what `path` (a lock file) guards, across processes; says so when it waits.
+    A flock (filelock's): the kernel releases it when its holder dies. Imported here: verbs that run
+    on a plain Python (`check`) import this module without using it."""
+    from filelock import FileLock, Timeout
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"waiting for another process using {what} ...")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        say(f"waiting for another process using {what} ...")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def build_part(
@@ -174,19 +234,27 @@ def ensure_spec(where: Path, spec: list[str], marker: str, say=say, then: tuple[
     python = where / "bin" / "python"
     stamp = where / marker
     record = spec if not then else {"spec": spec, "then": [list(t) for t in then]}
-    if python.exists() and stamp.exists() and json.loads(stamp.read_text()) == record:
+
+    def current() -> bool:
+        return python.exists() and stamp.exists() and json.loads(stamp.read_text()) == record
+
+    if current():
         return python
-    log = where.with_name(where.name + ".log")
     where.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text("")
-    if not python.exists():
-        say(f"creating {where}")
-        create(where, log=log, say=say)
-    say(f"installing {' '.join(spec)} into {where}")
-    run_logged(pip(where, "install", "-q", *spec), env=run_env(where), log=log, what="pip install", say=say)
-    for args in then:
-        run_logged(pip(where, *args), env=run_env(where), log=log, what="pip " + " ".join(args), say=say)
-    stamp.write_text(json.dumps(record))
+    with locked(where.with_name(where.name + ".lock"), where.name, say):  # two `test` runs side by side
+        if current():
+            return python
+        log = where.with_name(where.name + ".log")
+        log.write_text("")
+        if not python.exists():
+            say(f"creating {where}")
+            create(where, log=log, say=say)
+        say(f"installing {' '.join(spec)} into {where}")
+        env = uv_env(run_env(where))
+        run_logged(pip(where, "install", "-q", *spec), env=env, log=log, what="pip install", say=say)
+        for args in then:
+            run_logged(pip(where, *args), env=env, log=log, what="pip " + " ".join(args), say=say)
+        stamp.write_text(json.dumps(record))
     return python
 
 

@@ -393,3 +393,15 @@ def test_ensure_spec_runs_its_then_steps_after_the_install_and_records_them(tmp_
     calls.clear()
     venvs.ensure_spec(where, ["a==1"], ".spec", then=then)
     assert calls == [], "unchanged spec and steps: nothing again"
+
+
+def test_pip_s_index_variables_reach_uv_as_its_options():
+    """uv reads no pip configuration: a folder in PIP_FIND_LINKS (README's CPU-wheel folder) must reach it."""
+    env = {"PIP_FIND_LINKS": "/wheels /more", "PIP_INDEX_URL": "https://mirror/simple", "PIP_NO_INDEX": "0"}
+    assert venvs.index_options(env) == [
+        "--default-index", "https://mirror/simple", "--find-links", "/wheels", "--find-links", "/more",
+    ]  # fmt: skip
+    assert venvs.index_options({"PIP_FIND_LINKS": "/wheels", "UV_FIND_LINKS": "/uv"}) == [], "uv's own wins"
+    assert venvs.index_options({"PIP_NO_INDEX": "true", "PIP_FIND_LINKS": "/w"}) == ["--no-index", "--find-links", "/w"]
+    cmd = venvs.pip(Path("/v"), "uninstall", "triton")
+    assert cmd[1:] == ["pip", "uninstall", "--python", "/v/bin/python", "triton"], "index options only for install"

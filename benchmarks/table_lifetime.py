@@ -36,7 +36,6 @@ import ctypes
 import importlib
 import importlib.util
 import os
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,21 +44,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-
-def _import_tree(tree: Path) -> None:
-    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-    sys.path.insert(0, str(tree))
-    if not (tree / "vllm_ascend" / "_build_info.py").exists():
-        # in memory, what upstream's CPU CI gets from its editable install with SOC_VERSION=ascend910b1
-        info = types.ModuleType("vllm_ascend._build_info")
-        info.__soc_version__, info.__device_type__ = "ASCEND910B1", "A2"
-        sys.modules[info.__name__] = info
-    spec = importlib.util.spec_from_file_location("_tree_ut_conftest", tree / "tests" / "ut" / "conftest.py")
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))  # stubs torch_npu without an NPU
-
+from benchmarks import copy_audit
 
 TREE = Path(os.environ.get("COPY_AUDIT_TREE", "build/fork")).resolve()
-_import_tree(TREE)
+copy_audit.import_tree(TREE)  # the tree's vllm_ascend, as upstream's CPU tests import it
 
 import torch  # noqa: E402
 import vllm  # noqa: E402

@@ -849,11 +849,11 @@ def run(tree: Path, scale: int, seed: int, layout: str, num_specs=(NUM_SPEC,), d
 
 
 def totals(record: dict) -> dict:
-    """Counts per (path, num_spec, drafter), summed over scenarios and bindings."""
+    """Counts per (path, binding, num_spec, drafter), summed over scenarios."""
     out: dict[str, Counts] = {}
     for r in record["results"]:
         for path, c in r["launches"].items():
-            out.setdefault(f"{path} spec={r['num_spec']} {r['drafter']}", Counts()).add(Counts(**c))
+            out.setdefault(f"{path} {r['binding']} spec={r['num_spec']} {r['drafter']}", Counts()).add(Counts(**c))
     return {k: dataclasses.asdict(v) for k, v in sorted(out.items())}
 
 

@@ -31,8 +31,8 @@ from tools.fork.testing.exclusions import (
     load_exclusions,
     resolve_exclusions,
 )
-from tools.fork.testing.junit import counts, fmt_counts, is_test_file, parse_junit
-from tools.fork.testing.results import compare
+from tools.fork.testing.junit import counts, fmt_counts, parse_junit
+from tools.fork.testing.results import compare, fork_added_test_files
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Report:
 
 def added_test_files(tree: Path, version: str) -> list[str]:
     """Test files under tests/ut the series adds on top of the release (relative paths)."""
-    return sorted(f for f in git.added_paths(tree, base_tag(version), suite.UT_DIR) if is_test_file(f))
+    return [f for f in fork_added_test_files(tree, version) if f.startswith(suite.UT_DIR + "/")]
 
 
 def owners(tree: Path, version: str, files: list[str], commit_patch: dict[str, str]) -> dict[str, str]:

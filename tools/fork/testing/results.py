@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.fork.core import git
+from tools.fork.core.series import base_tag
 from tools.fork.testing.exclusions import EXCLUSIONS_FILE
 from tools.fork.testing.junit import BROKEN, OUTCOMES, Result, counts, is_test_file
 from tools.fork.testing.suite import UT_DIR, SuiteRun
@@ -25,14 +27,12 @@ class Comparison:
         return not (self.regressions or self.lost or self.fork_added_bad)
 
 
-def fork_added_test_files(root: Path) -> list[str]:
-    """Test files the series adds: those in the repository's tests/ overlay (relative paths)."""
-    tests = root / "tests"
-    if not tests.is_dir():
-        return []
-    return sorted(
-        p.relative_to(root).as_posix() for p in tests.rglob("*.py") if is_test_file(p.relative_to(root).as_posix())
-    )
+def fork_added_test_files(fork_tree: Path, version: str) -> list[str]:
+    """Test files the series adds on `version`: those its commits add under the fork tree's tests/.
+
+    Per base, from the tree: a base that skips a patch (a skip marker) does not get its tests.
+    """
+    return sorted(f for f in git.added_paths(fork_tree, base_tag(version), "tests") if is_test_file(f))
 
 
 def compare(

@@ -116,7 +116,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
         )  # fmt: skip
 
     if args.kernels_only:
-        added = fork_added_test_files(cfg.root)
+        added = fork_added_test_files(fork_tree, version)
         steps = kernel_steps(cfg, tenv, fork_tree, added, base_tree, version=version) + [e2e_step(added)]
         for st in steps:
             extra = f" [{fmt_counts(st.counts)}]" if st.counts else ""
@@ -167,7 +167,7 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
             print(f"fork test: [base] cached full base run ({full_cache.name}), restricted to this selection")
 
     # d. compare
-    added = fork_added_test_files(cfg.root)
+    added = fork_added_test_files(fork_tree, version)
     excluded_files = {f for f in added if is_excluded(f, ignores)}
     ut_added = [f for f in added if f.startswith(UT_DIR + "/")]
     if narrowed:

@@ -338,15 +338,30 @@ def test_step_without_junit_is_judged_by_exit_code():
     assert steps.judge_step("s", 2, _c(), 1.0, junit=False, allow_skips=False).failed
 
 
-def test_fork_added_test_files_come_from_the_overlay(tmp_path):
+def test_fork_added_test_files_are_those_the_series_adds_on_that_base(tmp_path):
+    """From the base's fork tree, not the pin's overlay: a base that skips a patch lacks its tests."""
+    from tools.fork.core.series import base_tag
+    from tools.fork.tests.conftest import GIT_ENV
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, env=GIT_ENV)
+
+    _touch(tmp_path, "tests/ut/worker/test_upstream.py", "tests/ut/worker/helpers.py")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "release")
+    git("tag", base_tag("1.0.0"))
     _touch(
         tmp_path,
         "tests/ut/worker/test_mamba_copy.py",
-        "tests/ut/worker/helpers.py",
+        "tests/ut/worker/conftest_helpers.py",
         "tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_batch_memmove.py",
         "vllm_ascend/worker/test_not_a_test_dir.py",
     )
-    assert results.fork_added_test_files(tmp_path) == [
+    (tmp_path / "tests/ut/worker/test_upstream.py").write_text("# a patch edits an upstream test\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "[Ops][BugFix] a patch")
+    assert results.fork_added_test_files(tmp_path, "1.0.0") == [
         "tests/e2e/nightly/single_node/ops/singlecard_ops/triton/test_batch_memmove.py",
         "tests/ut/worker/test_mamba_copy.py",
     ]

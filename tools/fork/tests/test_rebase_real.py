@@ -217,22 +217,24 @@ def test_rebase_onto_a_newer_release_picks_the_snapshot_variant_by_its_test(tmp_
     # it changes) may stop the rebase in the same way here: drop it as a user would, resolving to no change.
     markers = (fork.root / "patches" / "bases").glob("*/*")
     skipped_somewhere = {p.name for p in markers if series.skip_reason(p.read_bytes()) is not None}
+    printed = r.out  # what every invocation printed: the patches applied before a stop are told there
     while r.rc == 3 and (stopped := _stopped_at(r.out)) in skipped_somewhere:
         subprocess.run(["git", "reset", "-q", "--hard", "HEAD"], cwd=fork.root / "build/rebase/tree", check=True)
         r = fork.cli_subprocess("rebase", "--continue")
         print(r.text)
+        printed += r.out
         assert f"{stopped}: dropped: resolved to nothing" in r.out, r.text[-3000:]
     test_name = "test_mamba_align_fallback_310p_snapshot"
     if r.rc != 0:  # a stop must name the test
         assert r.rc == 3 and test_name in r.out, r.text[-3000:]
         assert fork.snapshot() == before
         return
-    by_tests = f"fails with patches/{snapshot_patch}" in r.out
-    by_conflict = f"; patches/alternatives/{snapshot_patch} applies" in r.out
-    assert by_tests or by_conflict, r.out[-3000:]
+    by_tests = f"fails with patches/{snapshot_patch}" in printed
+    by_conflict = f"; patches/alternatives/{snapshot_patch} applies" in printed
+    assert by_tests or by_conflict, printed[-3000:]
     if by_tests:
-        assert f"trying its other version patches/alternatives/{snapshot_patch}" in r.out
-        assert _last_outcome(r.out, snapshot_patch).startswith("applied cleanly")
+        assert f"trying its other version patches/alternatives/{snapshot_patch}" in printed
+        assert _last_outcome(printed, snapshot_patch).startswith("applied cleanly")
     assert "fork rebase: tested: the series' own tests" in r.out and " 0 failed, 0 errors, 0 skipped" in r.out
     assert "upstream's CPU suite NOT run (--series-tests-only)" in r.out
     # the fix is in the new pin's patch (named after the variant's subject now) and in the tree

@@ -20,10 +20,11 @@ PREFETCH_BASES ?= 0.24.0rc1
 
 # The series' size against its budgets (tools/series_size.py); check the series on every base, then
 # run the fork's tests and upstream's CPU suite on base and fork, for the pin and for the newest final
-# release (the tooling's own tests once). The newest final release is tested side by side with the pin
-# (each suite is one process: two cores do both), its output in build/test-$(FINAL_BASE).log, printed
-# after the pin's; the other environments build in the background meanwhile (a no-op once cached;
-# their logs: build/prefetch/; a failed prefetch is reported, and the step that needs one builds it).
+# release. The newest final release is tested side by side with the pin (each suite is one process: two
+# cores do both), with the tooling's own tests (they do not depend on the base; its suite is the shorter),
+# its output in build/test-$(FINAL_BASE).log, printed after the pin's; the other environments build in the
+# background meanwhile (a no-op once cached; their logs: build/prefetch/; a failed prefetch is reported,
+# and the step that needs one builds it).
 test: $(VENV)/.stamp
 	$(VENV)/bin/python tools/series_size.py
 	$(FORK) check --all-bases
@@ -31,8 +32,8 @@ test: $(VENV)/.stamp
 	for v in $(PREFETCH_BASES); do \
 		$(FORK) test --env-only --base $$v >build/prefetch/$$v.log 2>&1 || echo "prefetch of $$v's test environment failed: build/prefetch/$$v.log" & \
 	done; \
-	$(FORK) test --base $(FINAL_BASE) --no-tooling-tests >build/test-$(FINAL_BASE).log 2>&1 & final=$$!; \
-	$(FORK) test; rc=$$?; \
+	$(FORK) test --base $(FINAL_BASE) >build/test-$(FINAL_BASE).log 2>&1 & final=$$!; \
+	$(FORK) test --no-tooling-tests; rc=$$?; \
 	wait $$final || rc=1; echo; echo "== test --base $(FINAL_BASE) (build/test-$(FINAL_BASE).log)"; cat build/test-$(FINAL_BASE).log; \
 	wait; exit $$rc
 

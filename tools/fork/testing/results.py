@@ -35,12 +35,23 @@ def fork_added_test_files(fork_tree: Path, version: str) -> list[str]:
     return sorted(f for f in git.added_paths(fork_tree, base_tag(version), "tests") if is_test_file(f))
 
 
+def files_the_base_must_run(base_collected: set[str], fork: dict[str, Result]) -> list[str]:
+    """The test files whose base results can change the comparison: those where the fork does not
+    pass every test, and those holding a test the base collects and the fork lacks. In every other
+    file each base test is in the fork and passes there, so no regression, loss or shared breakage
+    can be found in it whatever the base does."""
+    files = {r.file for r in fork.values() if r.outcome != "passed"}
+    files |= {tid.split("::", 1)[0] for tid in base_collected if tid not in fork}
+    return sorted(files)
+
+
 def compare(
     base: dict[str, Result] | None,
     fork: dict[str, Result],
     fork_added_files: list[str],
     excluded_files: set[str] = frozenset(),
     removed_files: set[str] = frozenset(),
+    base_collected: set[str] | None = None,
 ) -> Comparison:
     """Base vs fork per test id, and the check of the tests the fork adds.
 
@@ -48,6 +59,8 @@ def compare(
     have run, and every test in it must pass. Files in `excluded_files` are not expected to run.
     `removed_files`: upstream test files a patch deletes (a PR may replace a test it makes
     obsolete): their tests are listed as removed, not lost.
+    `base_collected`: every test id the base collects, where `base` holds only the files
+    `files_the_base_must_run` names (the fork's new tests are those the base does not collect).
     """
     cmp = Comparison()
     if base is not None:
@@ -61,7 +74,8 @@ def compare(
             elif b.outcome in BROKEN and f is not None and f.outcome == "passed":
                 cmp.fixed.append(tid)
         cmp.broken_both = broken_on_both(base, fork)
-        cmp.new = [r for tid, r in sorted(fork.items()) if tid not in base]
+        on_base = base if base_collected is None else base_collected | base.keys()
+        cmp.new = [r for tid, r in sorted(fork.items()) if tid not in on_base]
     added = set(fork_added_files)
     seen_files = set()
     for tid, r in sorted(fork.items()):
@@ -81,7 +95,8 @@ def broken_on_both(base: dict[str, Result], fork: dict[str, Result]) -> list[str
 
 def print_side_by_side(base: SuiteRun | None, fork: SuiteRun, base_version: str, title: str = "") -> None:
     print(f"\n{title or f'upstream CPU unit tests ({UT_DIR}, minus {EXCLUSIONS_FILE})'}")
-    head_b = f"base {base_version}" + (" (cached)" if base and base.cached else "")
+    head_b = f"base {base_version}" + (f" ({base.files} files)" if base and base.files is not None else "")
+    head_b += " (cached)" if base and base.cached else ""
     print(f"  {'':10}{head_b:>28}{'fork':>14}")
     cb = counts(base.results) if base else None
     cf = counts(fork.results)

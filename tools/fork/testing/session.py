@@ -26,6 +26,7 @@ from tools.fork.testing.exclusions import (
 from tools.fork.testing.junit import counts, fmt_counts
 from tools.fork.testing.results import (
     compare,
+    files_the_base_must_run,
     fork_added_test_files,
     print_comparison,
     print_side_by_side,
@@ -34,12 +35,17 @@ from tools.fork.testing.results import (
 from tools.fork.testing.steps import KERNEL_TEST_DIR, copy_audit_step, deploy_step, kernel_steps, tooling_step
 from tools.fork.testing.suite import (
     UT_DIR,
+    SuiteRun,
     base_cache_path,
+    collect_ids,
     load_cached,
+    load_collected,
     results_dir,
     run_suite,
     store_cached,
+    store_collected,
     ut_pytest_args,
+    with_targets,
 )
 from tools.fork.testing.upstream_e2e import upstream_e2e_step
 
@@ -75,6 +81,37 @@ def base_source(cfg, version: str, args=None):
     )
     print(f"fork test: vllm-ascend {version}: {release.source.verified}", flush=True)
     return release.source, release.base
+
+
+def base_where_needed(tenv, base_tree: Path, version: str, sha256: str, pytest_args: list[str], fork_run, out: Path):
+    """(the base's results in the files the comparison needs, every test id the base collects).
+
+    Both are cached like a whole run (per base, environment and selection): a warm run collects nothing.
+    """
+    ids_cache = base_cache_path(tenv, version, sha256, ["--collect-only", *pytest_args]).with_suffix(".ids")
+    collected = load_collected(ids_cache)
+    if collected is None:
+        collected = collect_ids(tenv, base_tree, version, pytest_args, out)
+        store_collected(collected, ids_cache)
+    files = [f for f in files_the_base_must_run(collected, fork_run.results) if (base_tree / f).is_file()]
+    if not files:
+        print("fork test: [base] nothing to run: the fork has every test the base collects, and passes each")
+        return SuiteRun("base", {}, 0.0, files=0), collected
+    subset = with_targets(pytest_args, files)
+    cache = base_cache_path(tenv, version, sha256, subset)
+    run = load_cached(cache)
+    if run is not None:
+        print(f"fork test: [base] results of {len(files)} file(s) cached ({cache.name})")
+    else:
+        print(
+            f"fork test: [base] {len(files)} file(s) where the fork lacks or does not pass a test: "
+            + ", ".join(files[:5])
+            + (" ..." if len(files) > 5 else "")
+        )
+        run = run_suite(tenv, base_tree, version, "base", subset, out)
+        run.files = len(files)
+        store_cached(run, cache)
+    return run, collected
 
 
 def run_tests(cfg, opts: RunOptions | None = None) -> int:
@@ -136,12 +173,12 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
     pytest_args = ut_pytest_args(ignores, args.keyword, args.pytest_args or [])
     print(f"fork test: excluding {len(ignores)} path(s) or test(s) ({EXCLUSIONS_FILE})")
 
-    # c. the base (cached) and the fork
+    # c. the fork, and the base: its whole run if cached, else where the comparison needs it
     cache = base_cache_path(tenv, version, base.sha256, pytest_args)
-    base_run = load_cached(cache)
+    base_run, base_collected = load_cached(cache), None
     if base_run is not None:
         print(f"fork test: [base] results cached ({cache.name}; base, environment and selection unchanged)")
-    elif not args.fork_only:
+    elif apply_error is not None and not args.fork_only:
         base_run = run_suite(tenv, base_tree, version, "base", pytest_args, results_dir(cfg, version))
         store_cached(base_run, cache)
     if apply_error is not None:
@@ -165,6 +202,10 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
             full.results = {tid: r for tid, r in full.results.items() if tid in fork_run.results}
             base_run = full
             print(f"fork test: [base] cached full base run ({full_cache.name}), restricted to this selection")
+    elif base_run is None and not args.fork_only:
+        base_run, base_collected = base_where_needed(
+            tenv, base_tree, version, base.sha256, pytest_args, fork_run, results_dir(cfg, version)
+        )
 
     # d. compare
     added = fork_added_test_files(fork_tree, version)
@@ -174,7 +215,9 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
         # a narrowed selection need not include every added file
         ut_added = [f for f in ut_added if any(r.file == f for r in fork_run.results.values())]
     removed = set(git.deleted_paths(fork_tree, base_tag(version), UT_DIR))
-    cmp = compare(base_run.results if base_run else None, fork_run.results, ut_added, excluded_files, removed)
+    cmp = compare(
+        base_run.results if base_run else None, fork_run.results, ut_added, excluded_files, removed, base_collected
+    )
     print_side_by_side(base_run, fork_run, version)
     print_comparison(cmp, base_run is not None)
 
@@ -193,7 +236,8 @@ def run_tests(cfg, opts: RunOptions | None = None) -> int:
     print("\nfork test: summary")
     line = f"fork {fmt_counts(cf)}"
     if base_run:
-        line = f"base {fmt_counts(counts(base_run.results))} | " + line
+        where = f" (the {base_run.files} files the comparison needs)" if base_run.files is not None else ""
+        line = f"base{where} {fmt_counts(counts(base_run.results))} | " + line
     print(f"  upstream CPU suite: {line}")
     n_kernel = sum(f.startswith(KERNEL_TEST_DIR + "/") for f in added)
     print(f"  fork-added test files: {len(added)} ({len(ut_added)} in {UT_DIR}, {n_kernel} kernel op)")

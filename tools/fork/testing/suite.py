@@ -27,6 +27,7 @@ class SuiteRun:
     results: dict[str, Result]
     seconds: float
     cached: bool = False
+    files: int | None = None  # a run of only the files the comparison needs: how many
     log: Path | None = None
     junit: Path | None = None
 
@@ -39,6 +40,11 @@ def ut_pytest_args(ignores: list[str], keyword: str | None, extra: list[str]) ->
     if keyword:
         args += ["-k", keyword]
     return args + extra
+
+
+def with_targets(pytest_args: list[str], files: list[str]) -> list[str]:
+    """The same selection (ignores, deselections, -k, extra options) over `files` instead of its targets."""
+    return [*files, *(a for a in pytest_args if a.startswith("-") or not a.startswith(UT_DIR))]
 
 
 def base_cache_key(base_sha256: str, tenv: testenv.TestEnv, pytest_args: list[str]) -> str:
@@ -111,10 +117,52 @@ def _run_suite(tenv: testenv.TestEnv, tree: Path, label: str, pytest_args: list[
     return SuiteRun(label, parse_junit(junit.read_text()), dt, log=log, junit=junit)
 
 
+def collect_ids(tenv: testenv.TestEnv, tree: Path, version: str, pytest_args: list[str], out: Path) -> set[str]:
+    """The test ids pytest collects in `tree` with this selection, running none of them (a file that
+    fails to import has no ids: its error is the run's to report)."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "base-collect.log"
+    cmd = [
+        str(tenv.python), "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+        "--continue-on-collection-errors", f"--rootdir={tree}", *pytest_args,
+    ]  # fmt: skip
+    env = tenv.env({"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HF_HUB_OFFLINE": "1"})
+    t0 = time.monotonic()
+    with tenv.lock("base collection"):
+        testenv.install_tree(tenv, tree, version)
+        with log.open("w") as f:
+            proc = subprocess.run(
+                cmd, cwd=tree, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                timeout=SUITE_TIMEOUT_S,
+            )  # fmt: skip
+    if proc.returncode not in (0, 1, 5):  # 1: some file failed to import; 5: nothing collected
+        lines = "\n    ".join(_tail(log, 20))
+        raise ForkError(f"pytest could not collect {tree}'s suite (exit {proc.returncode}):\n    {lines}")
+    # Node ids are the lines naming a test in a file; a traceback line reads `FILE.py:LINE: ...`.
+    ids = {line for line in log.read_text().splitlines() if line.startswith(UT_DIR + "/") and ".py::" in line}
+    print(f"fork test: [base] collected {len(ids)} test(s) in {time.monotonic() - t0:.0f} s (log {log})", flush=True)
+    return ids
+
+
+def load_collected(path: Path) -> set[str] | None:
+    try:
+        return set(path.read_text().splitlines())
+    except FileNotFoundError:
+        return None
+
+
+def store_collected(ids: set[str], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text("".join(f"{i}\n" for i in sorted(ids)))
+    os.replace(tmp, path)
+
+
 def load_cached(path: Path) -> SuiteRun | None:
     try:
         meta = json.loads(path.with_suffix(".json").read_text())
-        return SuiteRun(meta["label"], parse_junit(path.read_text()), meta["seconds"], cached=True)
+        results = parse_junit(path.read_text())
+        return SuiteRun(meta["label"], results, meta["seconds"], cached=True, files=meta.get("files"))
     except (FileNotFoundError, ValueError, KeyError, ParseError):
         return None
 
@@ -125,4 +173,6 @@ def store_cached(run: SuiteRun, path: Path) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(src.read_bytes())
     os.replace(tmp, path)
-    path.with_suffix(".json").write_text(json.dumps({"label": run.label, "seconds": round(run.seconds, 1)}) + "\n")
+    path.with_suffix(".json").write_text(
+        json.dumps({"label": run.label, "seconds": round(run.seconds, 1), "files": run.files}) + "\n"
+    )

@@ -12,9 +12,11 @@ run twice in each tree:
    on the fork (results.compare, as for tests/ut), and every test the series adds to these files
    (a patch's cases in an upstream test file) must pass on the fork.
 
-A test that does not pass on the base under the interpreter (it needs an NPU operator, vLLM's
-engine, ...) is import-checked only; `test` names those. The base's results of both passes are
-cached like the tests/ut ones (per base sha256, environment, selection and harness).
+The run pass on the base covers only the files where the fork's run fails, errors or skips a test
+or lacks one the base collects (results.files_the_base_must_run, as for tests/ut). A test that passes
+on neither tree under the interpreter (it needs an NPU operator, vLLM's engine, ...) is
+import-checked only; `test` names those. The base's results of both passes are cached like the
+tests/ut ones (per base sha256, environment, selection and harness).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tools.fork.core import git
 from tools.fork.core.series import Patch, base_tag, file_sections
 from tools.fork.testing import testenv
 from tools.fork.testing.junit import Result, counts, fmt_counts, is_test_file, parse_junit
-from tools.fork.testing.results import compare, print_comparison, print_side_by_side
+from tools.fork.testing.results import compare, files_the_base_must_run, print_comparison, print_side_by_side
 from tools.fork.testing.steps import Step, kernel_test_command
 from tools.fork.testing.suite import SuiteRun, base_cache_path, load_cached, results_dir, store_cached
 
@@ -259,11 +261,17 @@ class Outcome:
     broken_files: dict[str, str] = field(default_factory=dict)  # file collected on the base, not on the fork: why
 
 
-def import_checked_only(base_run: dict[str, Result], base_imports: dict[str, Result]) -> dict[str, list[str]]:
-    """Test ids collected on the base that do not pass there under the interpreter, per file."""
+def import_checked_only(
+    base_run: dict[str, Result], base_imports: dict[str, Result], fork_run: dict[str, Result]
+) -> dict[str, list[str]]:
+    """Test ids collected on the base that pass under the interpreter on neither tree, per file."""
+
+    def passes(run, tid):
+        return tid in run and run[tid].outcome == "passed"
+
     out: dict[str, list[str]] = {}
     for tid, r in sorted(base_imports.items()):
-        if r.outcome == "passed" and (tid not in base_run or base_run[tid].outcome != "passed"):
+        if r.outcome == "passed" and not passes(base_run, tid) and not passes(fork_run, tid):
             out.setdefault(r.file, []).append(tid)
     return out
 
@@ -306,27 +314,32 @@ def upstream_e2e_step(
     base_files = [f for f in files if (base_tree / f).is_file()]
     fork_files = [f for f in files if (fork_tree / f).is_file()]
     key = ["upstream-e2e", str(RUNNER_VERSION), harness_digest(cfg.root), *base_files]
-    caches = {p: base_cache_path(tenv, version, base_sha256, [p, *key]) for p in ("run", "import")}
+    import_cache = base_cache_path(tenv, version, base_sha256, ["import", *key])
     try:
-        base = {p: load_cached(c) for p, c in caches.items()}
-        if all(base.values()):
-            print(f"fork test: [{NAME}] base results cached ({caches['run'].name}, {caches['import'].name})")
-        elif not fork_only:
-            if base["import"] is None:  # cached alone when a run stopped during the base's run pass
-                base["import"] = import_pass(tenv, base_tree, version, "base", base_files, out)
-                store_cached(base["import"], caches["import"])
-            if base["run"] is None:
-                base["run"] = run_pass(tenv, cfg.root, base_tree, version, "base", base_files, out)
-                store_cached(base["run"], caches["run"])
-        else:
-            base = {"run": None, "import": None}
+        base_imports = load_cached(import_cache)
+        if base_imports is None and not fork_only:
+            base_imports = import_pass(tenv, base_tree, version, "base", base_files, out)
+            store_cached(base_imports, import_cache)
         fork_imports = import_pass(tenv, fork_tree, version, "fork", fork_files, out)
         fork_run = run_pass(tenv, cfg.root, fork_tree, version, "fork", fork_files, out)
+        base_run = None
+        if base_imports is not None:  # the base's run where the comparison needs it
+            on_base = {tid for tid, r in base_imports.results.items() if r.outcome == "passed"}
+            needed = [f for f in files_the_base_must_run(on_base, fork_run.results) if f in base_files]
+            run_cache = base_cache_path(tenv, version, base_sha256, ["run", *key, "--files", *needed])
+            base_run = load_cached(run_cache)
+            if base_run is not None:
+                print(f"fork test: [{NAME}] base results cached ({import_cache.name}, {run_cache.name})")
+            elif not fork_only:
+                base_run = run_pass(tenv, cfg.root, base_tree, version, "base", needed, out)
+                store_cached(base_run, run_cache)
+            if base_run is not None:
+                base_run.files = len(needed)
     except PassError as exc:
         return Step(NAME, "FAILED", str(exc))
     removed = set(git.deleted_paths(fork_tree, base_tag(version), E2E_DIR))  # test files a patch replaces
-    outcome = judge(files, base["run"], base["import"], fork_run, fork_imports, version, removed)
-    return summarize(outcome, base["run"], fork_run, time.monotonic() - t0)
+    outcome = judge(files, base_run, base_imports, fork_run, fork_imports, version, removed)
+    return summarize(outcome, base_run, fork_run, time.monotonic() - t0)
 
 
 def judge(files, base_run, base_imports, fork_run, fork_imports, version: str, removed=frozenset()) -> Outcome:
@@ -341,9 +354,10 @@ def judge(files, base_run, base_imports, fork_run, fork_imports, version: str, r
         for tid, why in outcome.fork_import_errors:
             print(f"  {tid}: does not import on the fork: {why}")
         return outcome
+    on_base = {tid for tid, r in base_imports.results.items() if r.outcome == "passed"}
     outcome.imports = compare(base_imports.results, fork_imports.results, [], removed_files=removed)
-    outcome.run = compare(base_run.results, fork_run.results, [], removed_files=removed)
-    outcome.import_only = import_checked_only(base_run.results, base_imports.results)
+    outcome.run = compare(base_run.results, fork_run.results, [], removed_files=removed, base_collected=on_base)
+    outcome.import_only = import_checked_only(base_run.results, base_imports.results, fork_run.results)
     print_side_by_side(base_run, fork_run, version, title=f"upstream's {E2E_DIR} tests of the changed modules, run")
     # A file that no longer imports on the fork loses all its tests: named once, with its error.
     broken = {tid: r.message for tid, r in fork_imports.results.items() if r.outcome != "passed"}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -141,12 +144,18 @@ _SAMPLE_TESTS = {
 
 
 @pytest.fixture(scope="module")
-def sample_results(tmp_path_factory):
-    """Real pytest junit output (xunit1, as the verb runs it) of a small suite."""
+def sample_tree(tmp_path_factory):
     root = tmp_path_factory.mktemp("suite")
     for rel, body in _SAMPLE_TESTS.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(textwrap.dedent(body))
+    return root
+
+
+@pytest.fixture(scope="module")
+def sample_results(sample_tree):
+    """Real pytest junit output (xunit1, as the verb runs it) of a small suite."""
+    root = sample_tree
     xml = root / "out.xml"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
@@ -184,6 +193,28 @@ def test_junit_worst_outcome_wins_for_a_repeated_id():
         <error message="teardown"/></testcase>
     </testsuite></testsuites>"""
     assert junit.parse_junit(xml)["tests/ut/test_a.py::test_x"].outcome == "error"
+
+
+class _ThisPython:
+    """A test environment that is this interpreter (no venv, no lock, nothing to install)."""
+
+    python = sys.executable
+
+    @staticmethod
+    def env(extra=None):
+        return {**os.environ, **(extra or {})}
+
+    @staticmethod
+    def lock(what=""):
+        return contextlib.nullcontext()
+
+
+def test_collected_ids_are_the_junit_ids_of_the_tests_that_run(sample_tree, sample_results, tmp_path, monkeypatch):
+    # The base's collected ids and a run's junit ids must name a test alike: a run of only the files
+    # the comparison needs is chosen by the one and compared by the other.
+    monkeypatch.setattr(testenv, "install_tree", lambda *a: None)
+    ids = suite.collect_ids(_ThisPython(), sample_tree, "1.0", ["tests/ut"], tmp_path)
+    assert ids == {tid for tid in sample_results if "::" in tid}  # a file that cannot import has no ids
 
 
 # --- base vs fork ------------------------------------------------------------------------
@@ -382,3 +413,32 @@ def test_base_cache_key_depends_on_base_env_and_selection(tmp_path):
     assert k != suite.base_cache_key("b" * 64, e1, ["tests/ut"])
     assert k != suite.base_cache_key("a" * 64, e2, ["tests/ut"])
     assert k != suite.base_cache_key("a" * 64, e1, ["tests/ut", "-k", "x"])
+
+
+_OUTCOMES = ["passed", "passed", "passed", "failed", "error", "skipped", "xfailed", None]  # None: not collected
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_base_s_needed_files_give_the_whole_base_s_verdict(seed):
+    # Random base and fork results over a few files; the comparison against the base's results in
+    # only the files `files_the_base_must_run` names (with every id the base collects) finds the same
+    # regressions, losses, removals, shared breakage and new tests as against the whole base.
+    rng = random.Random(seed)
+    ids = [f"tests/ut/test_{f}.py::t{i}" for f in "abcde" for i in range(4)]
+    base = {t: junit.Result(t, o) for t in ids if (o := rng.choice(_OUTCOMES))}
+    fork = {t: junit.Result(t, o) for t in ids if (o := rng.choice(_OUTCOMES))}
+    if rng.random() < 0.3:  # a file the fork cannot import
+        fork = {t: r for t, r in fork.items() if r.file != "tests/ut/test_b.py"}
+        fork["tests/ut/test_b.py"] = junit.Result("tests/ut/test_b.py", "error")
+    removed = {"tests/ut/test_e.py"} if rng.random() < 0.3 else set()
+    if removed:
+        fork = {t: r for t, r in fork.items() if r.file not in removed}
+    collected = set(base)
+    needed = set(results.files_the_base_must_run(collected, fork))
+    part = {t: r for t, r in base.items() if r.file in needed}
+
+    whole = results.compare(base, fork, [], removed_files=removed)
+    got = results.compare(part, fork, [], removed_files=removed, base_collected=collected)
+    for name in ("regressions", "lost", "removed", "broken_both", "new"):
+        assert getattr(got, name) == getattr(whole, name), name
+    assert got.ok == whole.ok

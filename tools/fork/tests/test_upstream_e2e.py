@@ -119,10 +119,11 @@ def harness(tmp_path, monkeypatch):
         env=lambda extra=None: {**os.environ, **(extra or {})},
         lock=lambda what: contextlib.nullcontext(),
     )
-    calls = []
+    calls, ran = [], {}
 
     def run_command(tenv_, root, tree, files, junit):
         calls.append(("run", tree.name))
+        ran[tree.name] = list(files)
         argv = [sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider",
                 "--continue-on-collection-errors", "-o", "junit_family=xunit1", f"--junitxml={junit}",
                 f"--rootdir={tree}", *files]  # fmt: skip
@@ -146,7 +147,7 @@ def harness(tmp_path, monkeypatch):
             patches=patches, added=list(added), fork_only=fork_only,
         )  # fmt: skip
 
-    return SimpleNamespace(step=step, calls=calls)
+    return SimpleNamespace(step=step, calls=calls, ran=ran)
 
 
 def test_changed_modules_are_the_upstream_files_the_series_modifies_or_deletes(tmp_path):
@@ -200,6 +201,16 @@ def test_a_change_that_keeps_the_tests_passing_passes(harness, capsys):
     assert f"{E2E_FILE}: 1 of 4 test(s) (RuntimeError: needs an NPU operator)" in out
     assert f"{NPU_FILE}: 1 of 1 test(s)" in out
     assert "test_other.py" not in out  # it imports no changed module
+
+
+def test_the_base_runs_only_the_files_where_the_fork_does_not_pass_every_test(harness):
+    # Where the fork passes every test the base collects, the base's run cannot change the verdict.
+    passing = "tests/e2e/nightly/ops/test_kern_main.py"
+    extra = {passing: "from vllm_ascend.ops.kern import main\n\n\ndef test_main_again():\n    assert main(1) == 2\n"}
+    step = harness.step({"vllm_ascend/ops/kern.py": KERN.replace("return x + 1", "return 1 + x")}, extra=extra)
+    assert step.status == "passed", step.detail
+    assert passing in harness.ran["fork"] and passing not in harness.ran["base"]
+    assert sorted(harness.ran["base"]) == sorted([E2E_FILE, NPU_FILE])  # each has a test the fork fails
 
 
 def test_deleting_a_function_an_upstream_test_imports_fails_the_step(harness, capsys):
@@ -277,7 +288,7 @@ def test_a_run_stopped_in_the_base_run_pass_resumes_from_the_cached_import_check
     monkeypatch.setattr(upstream_e2e, "run_pass", run_pass)
     first = len(harness.calls)
     assert harness.step(edits).status == "passed"
-    assert harness.calls[first:] == [("run", "base"), ("import", "fork"), ("run", "fork")]
+    assert harness.calls[first:] == [("import", "fork"), ("run", "fork"), ("run", "base")]
 
 
 def test_fork_only_without_cached_base_results_checks_the_fork_imports(harness, capsys):

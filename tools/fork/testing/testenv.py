@@ -154,6 +154,11 @@ def check_failure(returncode: int, stdout: str, stderr: str, log: Path) -> str:
 
 
 def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
+    with venvs.installing():
+        _install_venv(root, base, log)
+
+
+def _install_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     requirements = base.requirements
     venv = root / "venv"
     env = uv_env(venvs.run_env(venv))
@@ -163,10 +168,7 @@ def _build_venv(root: Path, base: BaseRecipe, log: Path) -> None:
     # torch first, so that nothing later picks another build of it.
     # A local CPU wheel when uv finds one (PIP_FIND_LINKS), else the registry's CUDA build: both run
     # on the CPU; the CUDA one brings its nvidia-* libraries (a few GB, hard-linked from uv's cache).
-    # One build at a time downloads torch: uv does not share a download in flight between processes,
-    # and builds running side by side (make test's prefetch) would each store their own copy.
-    with venvs.locked(root.parent / "torch-download.lock", "the torch download"):
-        run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
+    run_logged(pip(venv, "install", "-q", recipe.TORCH), env=env, log=log, what=f"install {recipe.TORCH}")
     version, nvidia = torch_build(venv)
     say(
         f"  torch {version}: "
@@ -235,12 +237,13 @@ def _build_triton_site(root: Path, log: Path) -> None:
     spec = recipe.TRITON_SITE_SPEC
     cmd = [venvs.uv(), "pip", "install", "-q", "--python", sys.executable, *venvs.index_options(),
            "--no-deps", "--target", str(site), spec]  # fmt: skip
-    run_logged(
-        cmd,
-        env=uv_env(venvs.run_env(None)),
-        log=log,
-        what=f"install {spec} into {root.name}/site (--target, --no-deps)",
-    )
+    with venvs.installing():
+        run_logged(
+            cmd,
+            env=uv_env(venvs.run_env(None)),
+            log=log,
+            what=f"install {spec} into {root.name}/site (--target, --no-deps)",
+        )
 
 
 def default_root() -> Path:

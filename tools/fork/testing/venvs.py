@@ -198,6 +198,17 @@ def locked(path: Path, what: str, say=say):
         lock.release()
 
 
+@contextmanager
+def installing(say=say):
+    """One process at a time installs through uv's cache. uv shares no download or unpack in flight
+    between processes: builds side by side (make test's prefetch) would each store their own copy of
+    every wheel they have in common (1 GB of duplicates on a fresh machine); one after another, the
+    later build hard-links what the earlier one stored."""
+    cache = Path(uv_env(dict(os.environ))["UV_CACHE_DIR"])
+    with locked(cache.with_name(cache.name + ".install.lock"), "uv's cache (installing)", say):
+        yield
+
+
 def build_part(
     root: Path, name: str, recipe: dict, content: str, build, *, rebuild: bool, note=None, say=say
 ) -> tuple[str, Path]:
@@ -251,9 +262,10 @@ def ensure_spec(where: Path, spec: list[str], marker: str, say=say, then: tuple[
             create(where, log=log, say=say)
         say(f"installing {' '.join(spec)} into {where}")
         env = uv_env(run_env(where))
-        run_logged(pip(where, "install", "-q", *spec), env=env, log=log, what="pip install", say=say)
-        for args in then:
-            run_logged(pip(where, *args), env=env, log=log, what="pip " + " ".join(args), say=say)
+        with installing(say):
+            run_logged(pip(where, "install", "-q", *spec), env=env, log=log, what="pip install", say=say)
+            for args in then:
+                run_logged(pip(where, *args), env=env, log=log, what="pip " + " ".join(args), say=say)
         stamp.write_text(json.dumps(record))
     return python
 

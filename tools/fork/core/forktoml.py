@@ -1,4 +1,8 @@
-"""Text edits of fork.toml (pin, support matrix, `[patches."NAME"]` entries), checked by parsing."""
+"""Text edits of fork.toml (pin, support matrix, `[patches."NAME"]` entries), checked by parsing.
+
+Not tomlkit: it keeps the comment above a table inside the previous table, so dropping the last
+`[[bases]]` drops the `[patches]` comment with it (tomlkit 0.15.3).
+"""
 
 from __future__ import annotations
 
@@ -29,8 +33,11 @@ def _blocks(lines: list[str], header: re.Pattern) -> list[tuple[int, int]]:
 
 
 def _remove(lines: list[str], start: int, end: int) -> None:
+    """Delete a table, and the blank line after it where that would leave two, or part a comment from the
+    table below it."""
     del lines[start:end]
-    if start < len(lines) and not lines[start].strip() and (start == 0 or not lines[start - 1].strip()):
+    before = lines[start - 1].strip() if start else ""
+    if start < len(lines) and not lines[start].strip() and (not before or before.startswith("#")):
         del lines[start]
 
 

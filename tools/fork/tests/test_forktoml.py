@@ -1,5 +1,8 @@
-"""fork.toml's rewrite on a rebase: the new pin and bases parse back, entries follow renames, and every
-comment of the file survives (a base dropped at the end must not take the next table's comment)."""
+"""fork.toml's rewrite on a rebase keeps every comment while the pin, bases and entries change.
+
+The new pin and bases parse back, entries follow renames, and a base dropped at the end does not take
+the next table's comment with it.
+"""
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ def _blocks(lines: list[str], header: re.Pattern) -> list[tuple[int, int]]:
 
 
 def _remove(lines: list[str], start: int, end: int) -> None:
-    """Delete a table, and the blank line after it where that would leave two, or part a comment from the
-    table below it."""
+    """Delete a table, then the blank line that follows it if a blank or a comment now precedes that line
+    (a comment above a table belongs to it)."""
     del lines[start:end]
     before = lines[start - 1].strip() if start else ""
     if start < len(lines) and not lines[start].strip() and (not before or before.startswith("#")):
